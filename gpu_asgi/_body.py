@@ -1,0 +1,200 @@
+"""Request bodies of tagged routes: bounded buffering, JSON parsing and prompt extraction.
+
+Everything here either returns what admission needs or raises a :class:`BodyError` that says
+exactly what is wrong; the endpoint later receives the very same bytes (see the middleware).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, UnsupportedMediaType
+from ._tagging import RouteSpec
+from ._types import Receive, Scope
+
+#: Tokens a chat template adds around each message (ChatML: ``<|im_start|>role\n ... <|im_end|>\n``).
+MESSAGE_OVERHEAD_TOKENS = 5
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One sequence to generate from: text still to count plus tokens already known."""
+
+    text: str
+    known_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    prompts: list[Prompt]
+    max_new_tokens: int
+    #: Sequences generated per prompt (OpenAI ``n``).
+    n: int
+
+
+def check_headers(scope: Scope, max_bytes: int) -> None:
+    """Reject on headers alone, before reading a byte: wrong media type or an announced size over the cap."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media_type = value.split(b";", 1)[0].strip().lower()
+            if media_type != b"application/json" and not media_type.endswith(b"+json"):
+                raise UnsupportedMediaType(
+                    f"Content-Type must be application/json, not {media_type.decode('latin-1')!r}."
+                )
+        elif name == b"content-length":
+            try:
+                announced = int(value)
+            except ValueError:
+                raise InvalidJSON("Content-Length is not an integer.") from None
+            if announced > max_bytes:
+                raise BodyTooLarge(
+                    f"The body announces {announced} bytes; the limit is {max_bytes}.", limit_bytes=max_bytes
+                )
+
+
+async def read_body(receive: Receive, max_bytes: int, timeout: float) -> bytes | None:
+    """The whole body, or None when the client disconnected while sending it."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > max_bytes:
+                    raise BodyTooLarge(f"The body is larger than the limit of {max_bytes} bytes.", limit_bytes=max_bytes)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise BodyTimeout(f"The body was not received within {timeout:g} s.") from None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_request(body: bytes, spec: RouteSpec) -> ParsedRequest:
+    """Parse the JSON body and pull out prompt(s), ``max_new_tokens`` and ``n``."""
+    data = _load_json(body)
+    prompts = _extract_prompts(data, spec)
+    return ParsedRequest(prompts, _max_new_tokens(data, spec), _n(data, spec))
+
+
+def _load_json(body: bytes) -> dict[str, Any]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidJSON(f"The body is not valid UTF-8 (byte {exc.start}).") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidJSON(f"The body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}.") from None
+    except RecursionError:
+        raise InvalidJSON("The JSON body is nested too deeply.") from None
+    if not isinstance(data, dict):
+        raise InvalidField(f"The JSON body must be an object, not {_json_type(data)}.")
+    return data
+
+
+def _extract_prompts(data: dict[str, Any], spec: RouteSpec) -> list[Prompt]:
+    if callable(spec.prompt):
+        try:
+            value = spec.prompt(data)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise InvalidField(f"The prompt could not be read from the body: {exc}.") from None
+        return _prompts_from_value("prompt", value)
+    for name in spec.prompt:
+        if name in data:
+            value = data[name]
+            if name == "messages" or (isinstance(value, list) and value and isinstance(value[0], dict)):
+                return [_prompt_from_messages(name, value)]
+            return _prompts_from_value(name, value)
+    expected = " or ".join(repr(name) for name in spec.prompt)
+    raise InvalidField(f"The body has no prompt: expected the field {expected}.", field=spec.prompt[0])
+
+
+def _prompts_from_value(name: str, value: Any) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI)."""
+    if isinstance(value, str):
+        return [Prompt(value)]
+    if isinstance(value, list) and value:
+        if all(isinstance(item, str) for item in value):
+            return [Prompt(item) for item in value]
+        if all(_is_token_ids(item) for item in value):
+            return [Prompt("", len(item)) for item in value]
+        if _is_token_ids(value):
+            return [Prompt("", len(value))]
+    raise InvalidField(
+        f"{name!r} must be a non-empty string, list of strings or list of token ids, not {_json_type(value)}.",
+        field=name,
+    )
+
+
+def _prompt_from_messages(name: str, messages: Any) -> Prompt:
+    """OpenAI chat ``messages``: content is a string, null, or a list of parts (``text`` parts counted)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidField(f"{name!r} must be a non-empty list of messages.", field=name)
+    texts: list[str] = []
+    for index, message in enumerate(messages):
+        where = f"{name}[{index}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidField(f"{where} must be an object with a string 'role'.", field=where)
+        texts.append(message["role"])
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise InvalidField(f"{where}.content parts must be objects with a 'type'.", field=where)
+                if part["type"] == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise InvalidField(f"{where}.content text parts need a string 'text'.", field=where)
+                    texts.append(part["text"])
+        elif content is not None:
+            raise InvalidField(f"{where}.content must be a string, a list of parts or null.", field=where)
+    return Prompt("\n".join(texts), MESSAGE_OVERHEAD_TOKENS * len(messages))
+
+
+def _max_new_tokens(data: dict[str, Any], spec: RouteSpec) -> int:
+    for name in spec.max_tokens_fields:
+        value = data.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidField(f"{name!r} must be an integer, not {_json_type(value)}.", field=name)
+        if value < 1:
+            raise InvalidField(f"{name!r} must be at least 1, got {value}.", field=name)
+        if value > spec.max_new_tokens_cap:
+            raise InvalidField(
+                f"{name!r} is {value}; this route allows at most {spec.max_new_tokens_cap}.", field=name
+            )
+        return value
+    return spec.default_max_new_tokens
+
+
+def _n(data: dict[str, Any], spec: RouteSpec) -> int:
+    if spec.batch_field is None:
+        return 1
+    value = data.get(spec.batch_field)
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= spec.max_batch:
+        raise InvalidField(
+            f"{spec.batch_field!r} must be an integer from 1 to {spec.max_batch}, got {value!r}.",
+            field=spec.batch_field,
+        )
+    return value
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(item) is int for item in value)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

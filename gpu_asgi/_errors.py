@@ -1,0 +1,78 @@
+"""Typed errors. Each one knows the problem+json (RFC 9457) answer it becomes."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+#: Problem ``type`` URIs share this prefix; the slug after it is the ``reason``.
+PROBLEM_TYPE_PREFIX = "urn:gpu-asgi:problem:"
+
+
+class GPUAdmissionError(Exception):
+    """Base class: a request that gpu_asgi answers itself instead of calling the endpoint."""
+
+    status: ClassVar[int] = 400
+    reason: ClassVar[str] = "bad-request"
+    title: ClassVar[str] = "Bad request"
+
+    def __init__(self, detail: str, *, retry_after: float | None = None, **extensions: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.retry_after = retry_after
+        self.extensions = extensions
+
+    @property
+    def type(self) -> str:
+        return PROBLEM_TYPE_PREFIX + self.reason
+
+
+# -- request body -------------------------------------------------------------------------
+
+
+class BodyError(GPUAdmissionError):
+    """The request body could not be used to admit the request."""
+
+
+class InvalidJSON(BodyError):
+    status, reason, title = 400, "invalid-json", "Request body is not valid JSON"
+
+
+class UnsupportedMediaType(BodyError):
+    status, reason, title = 415, "unsupported-media-type", "Request body must be JSON"
+
+
+class BodyTooLarge(BodyError):
+    status, reason, title = 413, "body-too-large", "Request body is too large"
+
+
+class BodyTimeout(BodyError):
+    status, reason, title = 408, "body-timeout", "Request body was not received in time"
+
+
+class InvalidField(BodyError):
+    """A field is missing, of the wrong type or out of range."""
+
+    status, reason, title = 422, "invalid-field", "Request body has an invalid field"
+
+
+# -- admission ----------------------------------------------------------------------------
+
+
+class AdmissionRejected(GPUAdmissionError):
+    """The ledger refused the request; ``retry_after`` says when to try again."""
+
+    status, reason, title = 503, "rejected", "GPU capacity is exhausted"
+
+
+class QueueFull(AdmissionRejected):
+    reason, title = "queue-full", "The GPU admission queue is full"
+
+
+class QueueTimeout(AdmissionRejected):
+    reason, title = "queue-timeout", "The request waited too long for GPU memory"
+
+
+class NeverFits(AdmissionRejected):
+    """The request needs more bytes than any allowed device's whole budget: retrying cannot help."""
+
+    status, reason, title = 413, "exceeds-budget", "The request needs more GPU memory than the budget"

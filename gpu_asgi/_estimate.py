@@ -1,0 +1,281 @@
+"""Estimators: how many bytes of VRAM one request adds, and the budget they share.
+
+Everything here is the *variable* cost of a request. Weights and the CUDA context
+are fixed per device and come off the budget once, in `budget_bytes`; no
+estimator ever counts them. torch and transformers are imported lazily so the
+middleware core runs with starlette alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Protocol, runtime_checkable
+
+DEFAULT_UTILIZATION = 0.90
+DEFAULT_DTYPE_BYTES = 2  # float16: what a config without a dtype is served in
+DEFAULT_SAMPLING_BUFFERS = 10
+DEFAULT_PROMPT_LENGTHS = (16, 128, 512, 2048)
+
+_DTYPE_BYTES = {
+    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "float32": 4, "float": 4, "fp32": 4, "float64": 8, "double": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+}
+
+
+@runtime_checkable
+class Estimator(Protocol):
+    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
+        """Peak bytes one request of `batch` sequences adds on top of the fixed cost."""
+        ...
+
+
+def _check(prompt_tokens: int, max_new_tokens: int, batch: int) -> None:
+    if prompt_tokens < 0 or max_new_tokens < 0:
+        raise ValueError(f"token counts must be >= 0, got {prompt_tokens=} {max_new_tokens=}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearEstimator:
+    """`batch * (fixed_bytes + bytes_per_token * (prompt + max_new))`.
+
+    `fixed_bytes` is per request (buffers that do not grow with length), not weights.
+    """
+
+    bytes_per_token: int
+    fixed_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_token < 0 or self.fixed_bytes < 0:
+            raise ValueError(f"coefficients must be >= 0, got {self!r}")
+
+    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
+        _check(prompt_tokens, max_new_tokens, batch)
+        return batch * (self.fixed_bytes + self.bytes_per_token * (prompt_tokens + max_new_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyticEstimator:
+    """Bytes from the architecture of a decoder-only transformer (Llama/Qwen2 family).
+
+    estimate = KV cache for prompt + max_new tokens
+             + the larger of the prefill and the decode-step workspace
+             + the last-position logits and sampling buffers.
+
+    It is an upper bound for Hugging Face `generate` with a `DynamicCache`: the KV part
+    is exact (sliding-window layers are counted at full length), the rest is a
+    deliberate over-count. `calibrate` fits tighter coefficients on a real device.
+    `materialized_attention=False` drops the T x T score matrix, for flash attention.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    dtype_bytes: int = DEFAULT_DTYPE_BYTES
+    materialized_attention: bool = True
+    sampling_buffers: int = DEFAULT_SAMPLING_BUFFERS
+
+    def __post_init__(self) -> None:
+        sizes = (self.num_layers, self.num_kv_heads, self.head_dim, self.hidden_size,
+                 self.intermediate_size, self.vocab_size, self.num_attention_heads, self.dtype_bytes)
+        if min(sizes) < 1 or self.sampling_buffers < 0:
+            raise ValueError(f"sizes must be positive, got {self!r}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_kv_heads")
+
+    @classmethod
+    def from_config(cls, config: Any, *, dtype: Any = None, **knobs: Any) -> AnalyticEstimator:
+        """Build from a transformers config or its `config.json` dict.
+
+        `dtype`: a torch.dtype, a name such as "bfloat16", or None for the config's
+        own `dtype`/`torch_dtype`, else float16. `knobs` set the remaining fields.
+        """
+        if isinstance(config, Mapping):
+            # Multimodal configs nest the language model; its KV cache is what grows.
+            text = config.get("text_config") or config
+            get = text.get
+        else:
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            get = lambda key, default=None: getattr(text, key, default)  # noqa: E731
+        heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        if dtype is None:
+            dtype = get("dtype") or get("torch_dtype")
+        return cls(
+            num_layers=int(get("num_hidden_layers")),
+            num_kv_heads=int(get("num_key_value_heads") or heads),
+            # Some configs carry head_dim=None; others decouple it from hidden_size.
+            head_dim=int(get("head_dim") or hidden // heads),
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size")),
+            vocab_size=int(get("vocab_size")),
+            num_attention_heads=heads,
+            dtype_bytes=_dtype_bytes(dtype),
+            **knobs,
+        )
+
+    def kv_cache_bytes(self, tokens: int, batch: int = 1) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes, per token and sequence."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes * tokens * batch
+
+    def prefill_workspace_bytes(self, prompt_tokens: int, batch: int = 1) -> int:
+        """Transient activations of the one layer running the whole prompt."""
+        return self._layer_workspace(prompt_tokens, prompt_tokens, batch)
+
+    def decode_workspace_bytes(self, context_tokens: int, batch: int = 1) -> int:
+        """Transient activations of one decode step attending to `context_tokens`."""
+        return self._layer_workspace(1, context_tokens, batch)
+
+    def logits_bytes(self, batch: int = 1) -> int:
+        """Last-position logits in the model dtype plus float32 sampling buffers.
+
+        `generate` asks the model for the last position only (`logits_to_keep=1`) and
+        copies it to float32; with sampling, temperature/top-k/top-p masks, the top-p
+        sort and cumsum, and the softmax keep about seven more float32 copies alive,
+        plus int64 sort indices (two) and boolean masks: `sampling_buffers` float32
+        vocab-sized buffers in all (10, measured with transformers 5 on the CPU).
+        """
+        return batch * self.vocab_size * (self.dtype_bytes + 4 * self.sampling_buffers)
+
+    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
+        _check(prompt_tokens, max_new_tokens, batch)
+        total = prompt_tokens + max_new_tokens
+        workspace = max(self.prefill_workspace_bytes(prompt_tokens, batch),
+                        self.decode_workspace_bytes(total, batch))
+        return self.kv_cache_bytes(total, batch) + workspace + self.logits_bytes(batch)
+
+    def _layer_workspace(self, query: int, context: int, batch: int) -> int:
+        # Layers run one after another, so only one layer's temporaries are alive.
+        # Per query token: the residual stream and its normed copy, plus RMSNorm's float32
+        # upcast and product; then the larger of the attention and the MLP block.
+        h, d, b = self.hidden_size, self.head_dim, self.dtype_bytes
+        heads, kv = self.num_attention_heads, self.num_kv_heads
+        stream = query * h * (2 * b + 8)
+        # Rotary makes up to four copies of q and k; v; the output transposed and reshaped.
+        attention = query * d * b * (4 * (heads + kv) + kv + 2 * heads)
+        # DynamicCache grows by torch.cat, so the old K/V of this layer outlive the new;
+        # eager and SDPA attention expand grouped K/V to all heads (repeat_kv).
+        expanded = heads if heads != kv else 0
+        attention += 2 * context * d * b * (kv + expanded)
+        if self.materialized_attention:
+            # Eager attention holds the masked scores, their float32 softmax and its cast
+            # back at once (two copies when the model is float32 already), plus the
+            # additive mask: one per sequence, broadcast over heads.
+            scores = 2 * b + (4 if b != 4 else 0)
+            attention += query * context * (heads * scores + b)
+        mlp = query * (3 * self.intermediate_size + h) * b  # gate, up, act*up; down output
+        return batch * (stream + max(attention, mlp))
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    if dtype is None:
+        return DEFAULT_DTYPE_BYTES
+    itemsize = getattr(dtype, "itemsize", None)  # torch.dtype, without importing torch
+    if isinstance(itemsize, int):
+        return itemsize
+    name = str(dtype).removeprefix("torch.").lower()
+    if name == "auto":
+        return DEFAULT_DTYPE_BYTES
+    try:
+        return _DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; pass e.g. 'float16', 'bfloat16' or 'float32'") from None
+
+
+def budget_bytes(
+    total_bytes: int,
+    *,
+    utilization: float = DEFAULT_UTILIZATION,
+    weights_bytes: int = 0,
+    runtime_overhead_bytes: int = 0,
+) -> int:
+    """Bytes left for requests: `total * utilization - weights - runtime overhead`.
+
+    The fixed costs come off the device once, here, and never per request.
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    budget = int(total_bytes * utilization) - weights_bytes - runtime_overhead_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"no budget left: {total_bytes} B x {utilization} - {weights_bytes} B weights"
+            f" - {runtime_overhead_bytes} B runtime overhead = {budget} B"
+        )
+    return budget
+
+
+def fit_linear(samples: Iterable[tuple[int, int]], *, margin: float = 0.0) -> LinearEstimator:
+    """Fit `(total_tokens, measured_peak_bytes)` pairs of single requests.
+
+    Least squares gives the slope; `fixed_bytes` is then raised until every sample is
+    covered, and both coefficients grow by `margin`. Exact rational arithmetic, so a
+    clean line is recovered to the byte.
+    """
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    points = [(Fraction(x), Fraction(y)) for x, y in samples]
+    if len({x for x, _ in points}) < 2:
+        raise ValueError("fit_linear needs samples at two or more distinct token counts")
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    cov = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    # Memory never shrinks with length; a negative slope is noise, not physics.
+    per_token = max(Fraction(0), cov / var)
+    fixed = max(Fraction(0), max(y - per_token * x for x, y in points))
+    scale = 1 + Fraction(margin)
+    return LinearEstimator(bytes_per_token=math.ceil(per_token * scale), fixed_bytes=math.ceil(fixed * scale))
+
+
+def calibrate(
+    measure: Callable[[int, int], int],
+    *,
+    prompt_lengths: Sequence[int] = DEFAULT_PROMPT_LENGTHS,
+    max_new_tokens: int = 32,
+    margin: float = 0.05,
+) -> LinearEstimator:
+    """Measure one request per prompt length and fit a `LinearEstimator` to the peaks."""
+    samples = [(p + max_new_tokens, measure(p, max_new_tokens)) for p in prompt_lengths]
+    return fit_linear(samples, margin=margin)
+
+
+def cuda_peak_measurer(model: Any, *, device: Any = None) -> Callable[[int, int], int]:
+    """A `measure` for `calibrate`: peak CUDA bytes of one `model.generate` call.
+
+    Random prompt ids of the asked length, exactly `max_new_tokens` new tokens (EOS is
+    suppressed), under `torch.inference_mode()`; returns `max_memory_allocated` minus
+    what was allocated before, so weights are excluded. Allocator fragmentation
+    (reserved but not allocated) is not seen: keep a margin. Untested on CPU-only CI.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA is not available")
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    if dev.type != "cuda":
+        raise ValueError(f"model must be on a CUDA device, got {dev}")
+    generator = torch.Generator().manual_seed(0)  # same prompts on every run
+
+    def measure(prompt_tokens: int, max_new_tokens: int) -> int:
+        ids = torch.randint(0, model.config.vocab_size, (1, max(prompt_tokens, 1)), generator=generator)
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        with torch.inference_mode():
+            ids = ids.to(dev)
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - before
+
+    return measure

@@ -1,0 +1,162 @@
+"""Route tagging: ``@gpu_bound``, the per-route spec, and route resolution with a cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ._estimate import Estimator
+from ._types import Scope
+
+SPEC_ATTRIBUTE = "__gpu_asgi_route__"
+DEFAULT_PROMPT_FIELDS = ("prompt", "messages")
+DEFAULT_MAX_TOKENS_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_MAX_NEW_TOKENS_CAP = 4096
+DEFAULT_ROUTE_CACHE_SIZE = 4096
+
+PromptGetter = Callable[[Any], "str | Sequence[str]"]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteSpec:
+    """How one GPU-bound route is admitted.
+
+    ``prompt`` is either field names tried in order (a string or list of strings, or OpenAI
+    ``messages``) or a callable that takes the parsed body and returns the prompt text(s).
+    """
+
+    prompt: Sequence[str] | PromptGetter = DEFAULT_PROMPT_FIELDS
+    max_tokens_fields: Sequence[str] = DEFAULT_MAX_TOKENS_FIELDS
+    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP
+    #: Body field holding the number of sequences generated (OpenAI ``n``); None to ignore.
+    batch_field: str | None = "n"
+    max_batch: int = 16
+    estimator: Estimator | None = None
+    #: Higher is admitted first; FIFO within a priority.
+    priority: int = 0
+    #: Devices this route may run on; None means any device of the ledger.
+    devices: tuple[str, ...] | None = None
+    #: Methods matched for paths registered explicitly (routers match methods themselves).
+    methods: frozenset[str] = field(default=frozenset({"POST"}))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt, str):
+            object.__setattr__(self, "prompt", (self.prompt,))
+        if isinstance(self.max_tokens_fields, str):
+            object.__setattr__(self, "max_tokens_fields", (self.max_tokens_fields,))
+        if isinstance(self.devices, str):
+            object.__setattr__(self, "devices", (self.devices,))
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
+            raise ValueError("need 1 <= default_max_new_tokens <= max_new_tokens_cap")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+
+
+def gpu_bound(
+    *,
+    prompt: Sequence[str] | str | PromptGetter = DEFAULT_PROMPT_FIELDS,
+    max_tokens_fields: Sequence[str] | str = DEFAULT_MAX_TOKENS_FIELDS,
+    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP,
+    batch_field: str | None = "n",
+    max_batch: int = 16,
+    estimator: Estimator | None = None,
+    priority: int = 0,
+    devices: Sequence[str] | str | None = None,
+) -> Callable[[F], F]:
+    """Tag an endpoint as GPU-bound. Returns the function itself, so decorator order is free."""
+    spec = RouteSpec(
+        prompt=prompt,  # type: ignore[arg-type]  # normalised in __post_init__
+        max_tokens_fields=max_tokens_fields,
+        default_max_new_tokens=default_max_new_tokens,
+        max_new_tokens_cap=max_new_tokens_cap,
+        batch_field=batch_field,
+        max_batch=max_batch,
+        estimator=estimator,
+        priority=priority,
+        devices=tuple(devices) if devices is not None and not isinstance(devices, str) else devices,  # type: ignore[arg-type]
+    )
+
+    def decorate(endpoint: F) -> F:
+        setattr(endpoint, SPEC_ATTRIBUTE, spec)
+        return endpoint
+
+    return decorate
+
+
+def route_spec_of(endpoint: Any) -> RouteSpec | None:
+    """The spec an endpoint was tagged with (also through ``functools.partial``/methods)."""
+    while endpoint is not None:
+        spec = getattr(endpoint, SPEC_ATTRIBUTE, None)
+        if spec is not None:
+            return spec  # type: ignore[no-any-return]
+        endpoint = getattr(endpoint, "func", None) or getattr(endpoint, "__func__", None)
+    return None
+
+
+class RouteResolver:
+    """Finds the spec for a request before the router runs, and caches the answer.
+
+    The middleware sits in front of the router, so it asks the app's routes itself
+    (``route.matches(scope)``, recursing into mounts). Answers are cached per
+    (method, root_path, path); the cache is bounded because path parameters make paths unbounded.
+    """
+
+    def __init__(self, explicit: Mapping[str, RouteSpec] | None = None, cache_size: int = DEFAULT_ROUTE_CACHE_SIZE) -> None:
+        self._explicit = dict(explicit or {})
+        self._cache: dict[tuple[str, str, str], RouteSpec | None] = {}
+        self._cache_size = cache_size
+
+    def resolve(self, scope: Scope) -> RouteSpec | None:
+        key = (scope["method"], scope.get("root_path", ""), scope["path"])
+        try:
+            return self._cache[key]
+        except KeyError:
+            pass
+        spec = self._lookup(scope)
+        if len(self._cache) >= self._cache_size:
+            del self._cache[next(iter(self._cache))]  # evict the oldest entry
+        self._cache[key] = spec
+        return spec
+
+    def _lookup(self, scope: Scope) -> RouteSpec | None:
+        spec = self._explicit.get(scope["path"])
+        if spec is not None:
+            return spec if scope["method"] in spec.methods else None
+        router = getattr(scope.get("app"), "router", None)
+        routes = getattr(router, "routes", None)
+        return _match_routes(routes, scope) if routes is not None else None
+
+
+def _match_routes(routes: Iterable[Any], scope: Scope) -> RouteSpec | None:
+    from starlette.routing import Match  # starlette is a hard dependency; import kept local to the cold path
+
+    for route in routes:
+        match, child_scope = route.matches(scope)
+        if match is Match.FULL:  # NONE, or PARTIAL (wrong method): the router keeps looking too, then answers 405
+            return _spec_of_matched(route, scope, child_scope)
+    return None
+
+
+def _spec_of_matched(route: Any, scope: Scope, child_scope: Scope) -> RouteSpec | None:
+    sub_routes = getattr(route, "routes", None)
+    if sub_routes is not None:  # Mount or Host: look inside, with the path it consumed
+        inner_scope = {**scope, **child_scope}
+        inner_scope.pop("endpoint", None)
+        return _match_routes(sub_routes, inner_scope)
+    if "endpoint" in child_scope:
+        return route_spec_of(child_scope["endpoint"])
+    # FastAPI (>= 0.16x) includes routers lazily: the included router matches without naming the
+    # endpoint, and only its (private) ``_match`` selects the route. tests/test_tagging.py guards this.
+    select = getattr(route, "_match", None)
+    if select is not None:
+        from starlette.routing import Match
+
+        match, inner_child, inner, _ = select(scope)
+        if match is Match.FULL and inner is not None:
+            return _spec_of_matched(inner, scope, inner_child)
+    return None

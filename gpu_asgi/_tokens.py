@@ -1,0 +1,71 @@
+"""Token counters: a Hugging Face tokenizer when the host has one, else a conservative heuristic."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+# str.translate table that deletes ASCII digits; the length difference counts them in C.
+_DROP_DIGITS = dict.fromkeys(range(ord("0"), ord("9") + 1))
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """Counts the tokens of one text. ``inline_limit`` is the text length (characters)
+    above which the middleware counts in a worker thread so the event loop keeps serving."""
+
+    inline_limit: int
+
+    def count(self, text: str) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HeuristicTokenCounter:
+    """Over-estimates what a byte-level BPE tokenizer (Qwen, Llama 3, GPT) produces.
+
+    ``ceil(utf8_bytes_without_digits / bytes_per_token) + digits + 1``: English averages about
+    4 bytes per token and CJK about 3 bytes (one character), so 3 bytes per token errs high for
+    both; Qwen splits numbers into single digits, hence one token per digit. Estimating high costs
+    some concurrency; estimating low risks an OOM, so this errs high.
+    """
+
+    bytes_per_token: float = 3.0
+    # Pure C-level work (encode, translate): cheap even for megabyte prompts.
+    inline_limit: int = 1 << 62
+
+    def count(self, text: str) -> int:
+        if not text:
+            return 0
+        digits = len(text) - len(text.translate(_DROP_DIGITS))
+        rest = len(text.encode("utf-8", "surrogatepass")) - digits
+        return math.ceil(rest / self.bytes_per_token) + digits + 1
+
+
+class HFTokenCounter:
+    """Counts with a Hugging Face tokenizer (``AutoTokenizer.from_pretrained(...)``)."""
+
+    __slots__ = ("_encode", "inline_limit")
+
+    def __init__(self, tokenizer: Any, *, inline_limit: int = 2048) -> None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # a fast tokenizer: call the Rust encoder directly, skip the Python wrapper
+            self._encode = lambda text: backend.encode(text, add_special_tokens=False).ids
+        else:
+            self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self.inline_limit = inline_limit
+
+    def count(self, text: str) -> int:
+        return len(self._encode(text))
+
+    def __repr__(self) -> str:
+        return f"HFTokenCounter(inline_limit={self.inline_limit})"
+
+
+async def count_tokens(counter: TokenCounter, texts: Sequence[str]) -> list[int]:
+    """Tokens of each text; long inputs are counted in a thread, not on the event loop."""
+    if sum(map(len, texts)) <= counter.inline_limit:
+        return [counter.count(text) for text in texts]
+    return await asyncio.to_thread(lambda: [counter.count(text) for text in texts])

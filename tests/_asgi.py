@@ -1,0 +1,96 @@
+"""Test helpers: a raw ASGI driver for streaming and disconnect tests (ASGITransport buffers)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from gpu_asgi._types import ASGIApp, Message
+
+
+def http_scope(path: str = "/generate", *, method: str = "POST", headers: list[tuple[bytes, bytes]] | None = None, app: Any = None) -> dict[str, Any]:
+    scope: dict[str, Any] = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers if headers is not None else [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    if app is not None:
+        scope["app"] = app
+    return scope
+
+
+class RawClient:
+    """Drives one ASGI request by hand: body chunks in, messages out, disconnect on demand."""
+
+    def __init__(self, app: ASGIApp, scope: dict[str, Any], chunks: list[bytes]) -> None:
+        self.app = app
+        self.scope = scope
+        self.incoming: asyncio.Queue[Message] = asyncio.Queue()
+        for index, chunk in enumerate(chunks):
+            self.incoming.put_nowait({"type": "http.request", "body": chunk, "more_body": index < len(chunks) - 1})
+        self.sent: list[Message] = []
+        self.got_message = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def receive(self) -> Message:
+        return await self.incoming.get()
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
+        self.got_message.set()
+
+    def start(self) -> RawClient:
+        self.task = asyncio.ensure_future(self.app(self.scope, self.receive, self.send))
+        return self
+
+    def disconnect(self) -> None:
+        self.incoming.put_nowait({"type": "http.disconnect"})
+
+    async def finish(self, timeout: float = 5.0) -> None:
+        assert self.task is not None
+        await asyncio.wait_for(self.task, timeout)
+
+    @property
+    def status(self) -> int | None:
+        for message in self.sent:
+            if message["type"] == "http.response.start":
+                return int(message["status"])
+        return None
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def header(self, name: bytes) -> bytes | None:
+        for message in self.sent:
+            if message["type"] == "http.response.start":
+                return dict(message["headers"]).get(name)
+        return None
+
+
+async def settle(rounds: int = 20) -> None:
+    """Let every ready task run (the loop is the only thing moving in these tests)."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.001)
+

@@ -1,0 +1,207 @@
+"""The in-process ledger: atomic reservations, fair queueing, cancellation safety, statistics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpu_asgi import Ledger, NeverFits, QueueFull, QueueTimeout, Reservation
+
+from ._asgi import settle
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_reserve_and_release_return_every_byte() -> None:
+    ledger = Ledger(100)
+    reservation = await ledger.reserve(60)
+    assert (reservation.device, reservation.nbytes) == ("cuda:0", 60)
+    assert ledger.statistics().reserved_bytes == 60
+    assert reservation.release() == 60
+    assert reservation.release() == 0  # exactly once
+    assert ledger.statistics().reserved_bytes == 0
+    assert ledger.statistics().in_flight == 0
+
+
+async def test_request_larger_than_budget_is_rejected_at_once() -> None:
+    ledger = Ledger(100)
+    with pytest.raises(NeverFits) as caught:
+        await ledger.reserve(101)
+    assert caught.value.extensions == {"required_bytes": 101, "budget_bytes": 100}
+    assert caught.value.status == 413
+    assert ledger.statistics().rejected_total == {"exceeds-budget": 1}
+
+
+async def test_waiters_are_admitted_fifo_as_bytes_come_back() -> None:
+    ledger = Ledger(100)
+    first = await ledger.reserve(100)
+    order: list[int] = []
+
+    async def wait(index: int) -> Reservation:
+        reservation = await ledger.reserve(50)
+        order.append(index)
+        return reservation
+
+    tasks = [asyncio.ensure_future(wait(i)) for i in range(4)]
+    await settle()
+    assert ledger.statistics().waiting == 4
+    first.release()
+    await settle()
+    assert order == [0, 1]
+    for task in tasks[:2]:
+        task.result().release()
+    await settle()
+    assert order == [0, 1, 2, 3]
+    for task in tasks[2:]:
+        task.result().release()
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_small_requests_pass_a_blocked_head_at_most_max_bypass_times() -> None:
+    ledger = Ledger(100, max_bypass=2)
+    holder = await ledger.reserve(60)
+    big = asyncio.ensure_future(ledger.reserve(80))  # head of the queue, does not fit
+    await settle()
+    small = [await asyncio.wait_for(ledger.reserve(10), 1) for _ in range(2)]  # pass the head twice
+    third = asyncio.ensure_future(ledger.reserve(10))  # would fit, but the head is owed its turn
+    await settle()
+    assert not third.done() and not big.done()
+    holder.release()
+    for reservation in small:
+        reservation.release()
+    await settle()
+    assert big.done() and third.done()
+    big.result().release()
+    third.result().release()
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_queue_bound_and_timeout() -> None:
+    ledger = Ledger(100, max_queue=1, max_wait=0.01)
+    holder = await ledger.reserve(100)
+    waiting = asyncio.ensure_future(ledger.reserve(10))
+    await settle()
+    with pytest.raises(QueueFull) as full:
+        await ledger.reserve(10)
+    assert full.value.retry_after is not None and full.value.retry_after > 0
+    with pytest.raises(QueueTimeout):
+        await waiting
+    assert ledger.statistics().waiting == 0
+    assert ledger.statistics().rejected_total == {"queue-full": 1, "queue-timeout": 1}
+    holder.release()
+
+
+async def test_cancelled_waiter_leaves_the_queue_and_unblocks_others() -> None:
+    ledger = Ledger(100)
+    holder = await ledger.reserve(50)
+    big = asyncio.ensure_future(ledger.reserve(90))
+    await settle()
+    small = asyncio.ensure_future(ledger.reserve(40))
+    await settle()
+    assert small.done()  # bypassed the blocked head once
+    small.result().release()
+    big.cancel()
+    await settle()
+    assert ledger.statistics().waiting == 0
+    after = await asyncio.wait_for(ledger.reserve(50), 1)
+    holder.release()
+    after.release()
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_waiter_cancelled_in_the_instant_it_is_granted_passes_the_bytes_on() -> None:
+    ledger = Ledger(100)
+    holder = await ledger.reserve(100)
+    first = asyncio.ensure_future(ledger.reserve(100))
+    second = asyncio.ensure_future(ledger.reserve(100))
+    await settle()
+    holder.release()  # grants `first` synchronously: its future is resolved, its task not yet resumed
+    first.cancel()
+    await settle()
+    assert first.cancelled()
+    assert second.done(), "the bytes granted to the cancelled waiter went to the next one"
+    second.result().release()
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_shrink_returns_bytes_early_and_admits_waiters() -> None:
+    ledger = Ledger(100)
+    reservation = await ledger.reserve(100)
+    waiter = asyncio.ensure_future(ledger.reserve(30))
+    await settle()
+    assert reservation.shrink(70) == 30
+    await settle()
+    assert waiter.done()
+    assert reservation.nbytes == 70
+    assert reservation.release() == 70
+    waiter.result().release()
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_several_devices_place_on_one_that_fits() -> None:
+    ledger = Ledger({"cuda:0": 100, "cuda:1": 50})
+    a = await ledger.reserve(60)
+    assert a.device == "cuda:0"
+    b = await ledger.reserve(45)
+    assert b.device == "cuda:1"
+    c = await ledger.reserve(40)
+    assert c.device == "cuda:0"
+    with pytest.raises(NeverFits):
+        await ledger.reserve(60, devices=["cuda:1"])
+    with pytest.raises(ValueError, match="unknown device"):
+        await ledger.reserve(1, devices=["cuda:7"])
+    stats = ledger.statistics()
+    assert [(d.name, d.reserved_bytes, d.in_flight) for d in stats.devices] == [("cuda:0", 100, 2), ("cuda:1", 45, 1)]
+    for r in (a, b, c):
+        r.release()
+
+
+async def test_priority_orders_the_queue() -> None:
+    ledger = Ledger(10)
+    holder = await ledger.reserve(10)
+    low = asyncio.ensure_future(ledger.reserve(10, priority=0))
+    high = asyncio.ensure_future(ledger.reserve(10, priority=5))
+    await settle()
+    holder.release()
+    await settle()
+    assert high.done() and not low.done()
+    high.result().release()
+    await settle()
+    low.result().release()
+
+
+async def test_retry_after_follows_the_observed_release_rate() -> None:
+    clock = FakeClock()
+    ledger = Ledger(1000, clock=clock, max_wait=30)
+    assert ledger.retry_after(500) == 30  # nothing observed yet: fall back to max_wait
+    for _ in range(10):  # 100 bytes per second drain for 10 s
+        (await ledger.reserve(100)).release()
+        clock.now += 1
+    holder = await ledger.reserve(1000)
+    assert ledger.release_rate() == pytest.approx(100.0, rel=0.15)
+    assert ledger.retry_after(500) == pytest.approx(5.0, rel=0.15)  # 500 bytes behind a full device
+    clock.now += 100  # the window slides past every release
+    assert ledger.retry_after(500) == 30
+    holder.release()
+
+
+async def test_reservation_is_a_context_manager() -> None:
+    ledger = Ledger(10)
+    with await ledger.reserve(10) as reservation:
+        assert ledger.statistics().reserved_bytes == 10
+    assert reservation.released
+    assert ledger.statistics().reserved_bytes == 0
+
+
+def test_bad_configuration_is_refused() -> None:
+    with pytest.raises(ValueError):
+        Ledger(0)
+    with pytest.raises(ValueError):
+        Ledger({})

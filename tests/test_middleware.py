@@ -1,0 +1,508 @@
+"""End-to-end behaviour of GPUAdmissionMiddleware through real Starlette/FastAPI apps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import Depends, FastAPI
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from gpu_asgi import (
+    Admission,
+    GPUAdmissionMiddleware,
+    Ledger,
+    LinearEstimator,
+    Reservation,
+    RouteSpec,
+    gpu_admission,
+    gpu_bound,
+    gpu_reservation,
+)
+
+from ._asgi import RawClient, http_scope, settle, wait_until
+
+ONE_BYTE_PER_TOKEN = LinearEstimator(bytes_per_token=1)
+
+
+class Counter:
+    """Counts words: easy to reason about in assertions."""
+
+    inline_limit = 1 << 30
+
+    def count(self, text: str) -> int:
+        return len(text.split())
+
+
+def make_app(ledger: Ledger, endpoint: Any, *, path: str = "/generate", **options: Any) -> Starlette:
+    app = Starlette(routes=[Route(path, endpoint, methods=["POST"])])
+    options.setdefault("estimator", ONE_BYTE_PER_TOKEN)
+    options.setdefault("token_counter", Counter())
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, **options)
+    return app
+
+
+def client(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+@gpu_bound()
+async def echo(request: Request) -> JSONResponse:
+    admission: Admission = request.state.gpu_admission
+    body = await request.body()
+    return JSONResponse(
+        {
+            "body": body.decode(),
+            "prompt_tokens": admission.prompt_tokens,
+            "max_new_tokens": admission.max_new_tokens,
+            "batch": admission.batch,
+            "estimated_bytes": admission.estimated_bytes,
+            "held": admission.reservation.nbytes,
+            "device": admission.device,
+        }
+    )
+
+
+async def test_tagged_route_is_admitted_and_gets_the_exact_body() -> None:
+    ledger = Ledger(1000)
+    body = b'{"prompt": "one two three",   "max_new_tokens": 7, "extra": [1, 2.50]}'
+    async with client(make_app(ledger, echo)) as http:
+        response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    data = response.json()
+    assert data["body"] == body.decode()
+    assert (data["prompt_tokens"], data["max_new_tokens"], data["batch"]) == (3, 7, 1)
+    assert data["estimated_bytes"] == data["held"] == 10
+    assert data["device"] == "cuda:0"
+    stats = ledger.statistics()
+    assert (stats.reserved_bytes, stats.in_flight, stats.admitted_total) == (0, 0, 1)
+
+
+async def test_chunked_body_is_replayed_byte_for_byte() -> None:
+    ledger = Ledger(1000)
+    app = make_app(ledger, echo)
+    chunks = [b'{"prompt": "a b', b' c", "max_tokens"', b": 2}"]
+    raw = RawClient(app, http_scope(app=None), chunks).start()
+    await raw.finish()
+    assert raw.status == 200
+    assert raw.json()["body"] == b"".join(chunks).decode()
+    assert raw.json()["prompt_tokens"] == 3
+
+
+async def test_fastapi_dependency_and_defaults() -> None:
+    ledger = Ledger(10_000)
+    app = FastAPI()
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+
+    @app.post("/v1/chat/completions")
+    @gpu_bound(default_max_new_tokens=16)
+    async def chat(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation),
+                   admission: Admission = Depends(gpu_admission)) -> dict[str, Any]:
+        return {"held": reservation.nbytes, "tokens": admission.prompt_tokens, "batch": admission.batch,
+                "max_new": admission.max_new_tokens}
+
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello there"}, {"type": "image_url", "image_url": {}}]},
+    ]
+    async with client(app) as http:
+        response = await http.post("/v1/chat/completions", json={"messages": messages, "n": 3})
+    assert response.status_code == 200
+    # words: system + "be brief" + user + "hello there" = 6, plus 5 template tokens per message
+    assert response.json() == {"held": 3 * (16 + 16), "tokens": 16, "batch": 3, "max_new": 16}
+
+
+async def test_list_prompts_and_token_ids_form_a_batch() -> None:
+    ledger = Ledger(10_000)
+    async with client(make_app(ledger, echo)) as http:
+        listed = (await http.post("/generate", json={"prompt": ["a", "a b c d"], "max_tokens": 4})).json()
+        ids = (await http.post("/generate", json={"prompt": [[1, 2, 3], [4]], "max_tokens": 4})).json()
+    assert (listed["prompt_tokens"], listed["batch"], listed["held"]) == (4, 2, 16)
+    assert (ids["prompt_tokens"], ids["batch"], ids["held"]) == (3, 2, 14)
+
+
+async def test_route_estimator_and_prompt_getter_override_the_defaults() -> None:
+    ledger = Ledger(10_000)
+
+    @gpu_bound(prompt=lambda body: body["input"]["text"], estimator=LinearEstimator(bytes_per_token=10, fixed_bytes=5))
+    async def custom(request: Request) -> JSONResponse:
+        return JSONResponse({"held": request.state.gpu_reservation.nbytes})
+
+    async with client(make_app(ledger, custom)) as http:
+        ok = await http.post("/generate", json={"input": {"text": "x y"}, "max_new_tokens": 3})
+        bad = await http.post("/generate", json={"input": {}})
+    assert ok.json() == {"held": 5 + 10 * 5}
+    assert bad.status_code == 422 and "could not be read" in bad.json()["detail"]
+
+
+async def test_untagged_routes_are_not_buffered() -> None:
+    ledger = Ledger(100)
+    seen: list[bytes] = []
+
+    async def upload(request: Request) -> PlainTextResponse:
+        async for chunk in request.stream():
+            if chunk:
+                seen.append(chunk)
+        return PlainTextResponse("ok")
+
+    app = make_app(ledger, upload)  # untagged: the endpoint streams the body itself
+    raw = RawClient(app, http_scope(), [b"first", b"second", b"third"]).start()
+    await raw.finish()
+    assert raw.status == 200
+    assert seen == [b"first", b"second", b"third"]
+    assert ledger.statistics().admitted_total == 0
+
+
+async def test_websocket_and_lifespan_pass_through() -> None:
+    ledger = Ledger(100)
+    started = []
+
+    async def ws(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text("hi")
+        await websocket.close()
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
+        started.append(True)
+        yield
+
+    app = Starlette(routes=[WebSocketRoute("/generate", ws)], lifespan=lifespan)
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN,
+                       routes={"/generate": RouteSpec()})
+    sent: list[dict[str, Any]] = []
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    inbox.put_nowait({"type": "lifespan.startup"})
+    lifespan_task = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, inbox.get, send))
+    await wait_until(lambda: bool(sent))
+    assert sent[-1]["type"] == "lifespan.startup.complete" and started
+    inbox.put_nowait({"type": "lifespan.shutdown"})
+    await asyncio.wait_for(lifespan_task, 5)
+
+    sent.clear()
+    inbox.put_nowait({"type": "websocket.connect"})
+    scope = {**http_scope(), "type": "websocket", "scheme": "ws", "subprotocols": []}
+    del scope["method"]
+    await asyncio.wait_for(app(scope, inbox.get, send), 5)
+    assert [m["type"] for m in sent] == ["websocket.accept", "websocket.send", "websocket.close"]
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "reason", "detail"),
+    [
+        (b"{not json", {}, 400, "invalid-json", "not valid JSON"),
+        (b'{"prompt": "\xff\xfe"}', {}, 400, "invalid-json", "not valid UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, {}, 400, "invalid-json", "nested too deeply"),
+        (b'["prompt"]', {}, 422, "invalid-field", "must be an object"),
+        (b'{"text": "hi"}', {}, 422, "invalid-field", "no prompt"),
+        (b'{"prompt": 42}', {}, 422, "invalid-field", "'prompt' must be"),
+        (b'{"prompt": []}', {}, 422, "invalid-field", "'prompt' must be"),
+        (b'{"prompt": ["a", 1]}', {}, 422, "invalid-field", "'prompt' must be"),
+        (b'{"messages": "hi"}', {}, 422, "invalid-field", "non-empty list of messages"),
+        (b'{"messages": [{"content": "hi"}]}', {}, 422, "invalid-field", "string 'role'"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', {}, 422, "invalid-field", "content must be"),
+        (b'{"prompt": "hi", "max_new_tokens": -1}', {}, 422, "invalid-field", "at least 1"),
+        (b'{"prompt": "hi", "max_new_tokens": 0}', {}, 422, "invalid-field", "at least 1"),
+        (b'{"prompt": "hi", "max_tokens": 1000000}', {}, 422, "invalid-field", "at most 4096"),
+        (b'{"prompt": "hi", "max_tokens": "many"}', {}, 422, "invalid-field", "must be an integer"),
+        (b'{"prompt": "hi", "max_tokens": true}', {}, 422, "invalid-field", "must be an integer"),
+        (b'{"prompt": "hi", "max_tokens": 1.5}', {}, 422, "invalid-field", "must be an integer"),
+        (b'{"prompt": "hi", "n": 0}', {}, 422, "invalid-field", "'n' must be"),
+        (b'{"prompt": "hi"}', {"content-type": "text/plain"}, 415, "unsupported-media-type", "application/json"),
+        (b'{"prompt": "hi"}', {"content-length": "2000000"}, 413, "body-too-large", "announces 2000000 bytes"),
+        (b'{"prompt": "' + b"x" * 2_000_000 + b'"}', {}, 413, "body-too-large", "larger than the limit"),
+    ],
+)
+async def test_bad_input_gets_a_problem_and_never_reaches_the_endpoint(
+    body: bytes, headers: dict[str, str], status: int, reason: str, detail: str
+) -> None:
+    ledger = Ledger(1000)
+    called = []
+
+    @gpu_bound()
+    async def endpoint(request: Request) -> PlainTextResponse:
+        called.append(True)
+        return PlainTextResponse("should not run")
+
+    header_list = [(b"content-type", b"application/json")]
+    for name, value in headers.items():
+        header_list = [h for h in header_list if h[0] != name.encode()] + [(name.encode(), value.encode())]
+    raw = RawClient(make_app(ledger, endpoint), http_scope(headers=header_list), [body]).start()
+    await raw.finish()
+    assert raw.status == status
+    assert raw.header(b"content-type") == b"application/problem+json"
+    assert raw.header(b"x-gpu-admission-reason") == reason.encode()
+    problem = raw.json()
+    assert problem["type"] == f"urn:gpu-asgi:problem:{reason}"
+    assert problem["status"] == status and problem["title"]
+    assert detail in problem["detail"]
+    assert not called
+    stats = ledger.statistics()
+    assert (stats.admitted_total, stats.reserved_bytes, stats.waiting) == (0, 0, 0)
+
+
+async def test_slow_body_gets_408() -> None:
+    ledger = Ledger(1000)
+    app = make_app(ledger, echo, body_timeout=0.05)
+    raw = RawClient(app, http_scope(), [])
+    raw.incoming.put_nowait({"type": "http.request", "body": b'{"prompt":', "more_body": True})
+    raw.start()
+    await raw.finish()
+    assert raw.status == 408
+    assert raw.json()["type"].endswith("body-timeout")
+
+
+async def test_request_that_can_never_fit_gets_413_with_the_numbers() -> None:
+    ledger = Ledger(100)
+    async with client(make_app(ledger, echo)) as http:
+        response = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 200})
+    assert response.status_code == 413
+    assert response.headers["x-gpu-admission-reason"] == "exceeds-budget"
+    assert response.json()["required_bytes"] == 202 and response.json()["budget_bytes"] == 100
+
+
+@pytest.mark.parametrize("reject_status", [503, 429])
+async def test_overload_is_rejected_with_retry_after(reject_status: int) -> None:
+    ledger = Ledger(100, max_queue=1)
+    holder = await ledger.reserve(100)
+    queued = asyncio.ensure_future(ledger.reserve(10))
+    await settle()
+    async with client(make_app(ledger, echo, reject_status=reject_status)) as http:
+        response = await http.post("/generate", json={"prompt": "a", "max_new_tokens": 10})
+    assert response.status_code == reject_status
+    assert response.headers["x-gpu-admission-reason"] == "queue-full"
+    assert int(response.headers["retry-after"]) >= 1
+    queued.cancel()
+    holder.release()
+
+
+async def test_queue_timeout_is_rejected_with_retry_after() -> None:
+    ledger = Ledger(100, max_wait=0.02)
+    holder = await ledger.reserve(95)
+    async with client(make_app(ledger, echo)) as http:
+        response = await http.post("/generate", json={"prompt": "a", "max_new_tokens": 10})
+    assert response.status_code == 503
+    assert response.headers["x-gpu-admission-reason"] == "queue-timeout"
+    assert response.headers["retry-after"].isdigit()
+    holder.release()
+    assert ledger.statistics().waiting == 0
+
+
+async def test_queued_request_is_admitted_when_bytes_come_back() -> None:
+    ledger = Ledger(100)
+    holder = await ledger.reserve(95)
+    app = make_app(ledger, echo)
+    raw = RawClient(app, http_scope(), [b'{"prompt": "a", "max_new_tokens": 10}']).start()
+    await wait_until(lambda: ledger.statistics().waiting == 1)
+    holder.release()
+    await raw.finish()
+    assert raw.status == 200 and raw.json()["held"] == 11
+    assert ledger.statistics().reserved_bytes == 0
+
+
+def streaming_endpoint(gate: asyncio.Event, chunks: int = 3) -> Any:
+    @gpu_bound()
+    async def stream(request: Request) -> StreamingResponse:
+        async def tokens() -> Any:
+            for index in range(chunks):
+                await gate.wait()
+                gate.clear()
+                yield f"token{index} ".encode()
+
+        return StreamingResponse(tokens(), media_type="text/plain")
+
+    return stream
+
+
+async def test_streamed_response_holds_the_reservation_until_the_last_chunk() -> None:
+    ledger = Ledger(100)
+    gate = asyncio.Event()
+    app = make_app(ledger, streaming_endpoint(gate))
+    raw = RawClient(app, http_scope(), [b'{"prompt": "a b", "max_new_tokens": 5}']).start()
+    for _ in range(3):
+        await wait_until(lambda: raw.status == 200)
+        assert ledger.statistics().reserved_bytes == 7, "held while streaming"
+        gate.set()
+        await settle()
+    await raw.finish()
+    assert raw.body == b"token0 token1 token2 "
+    assert ledger.statistics().reserved_bytes == 0
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_client_disconnect_mid_stream_frees_the_reservation(spec_version: str) -> None:
+    ledger = Ledger(100)
+    gate = asyncio.Event()
+    app = make_app(ledger, streaming_endpoint(gate, chunks=100))
+    scope = http_scope()
+    scope["asgi"]["spec_version"] = spec_version
+    raw = RawClient(app, scope, [b'{"prompt": "a b", "max_new_tokens": 5}'])
+    if spec_version == "2.4":  # servers on 2.4 raise from send() once the client is gone
+        original_send = raw.send
+
+        async def send(message: dict[str, Any]) -> None:
+            if raw.disconnected:
+                raise OSError("client disconnected")
+            await original_send(message)
+
+        raw.disconnected = False  # type: ignore[attr-defined]
+        raw.send = send  # type: ignore[method-assign]
+    raw.start()
+    gate.set()
+    await wait_until(lambda: len(raw.sent) >= 2)
+    assert ledger.statistics().reserved_bytes == 7
+    raw.disconnected = True  # type: ignore[attr-defined]
+    raw.disconnect()
+    gate.set()
+    try:
+        await raw.finish()
+    except ClientDisconnect:
+        pass  # Starlette turns the 2.4 server's OSError into this; what matters is the ledger
+    assert ledger.statistics().reserved_bytes == 0
+    assert ledger.statistics().in_flight == 0
+
+
+async def test_endpoint_exception_releases_the_reservation() -> None:
+    ledger = Ledger(1000)
+
+    @gpu_bound()
+    async def broken(request: Request) -> PlainTextResponse:
+        assert ledger.statistics().reserved_bytes > 0
+        raise RuntimeError("model exploded")
+
+    app = make_app(ledger, broken)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://t") as http:
+        response = await http.post("/generate", json={"prompt": "a"})
+    assert response.status_code == 500
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_cancelled_request_task_releases_and_leaves_the_queue() -> None:
+    ledger = Ledger(100)
+    gate = asyncio.Event()
+    app = make_app(ledger, streaming_endpoint(gate))
+    running = RawClient(app, http_scope(), [b'{"prompt": "a", "max_new_tokens": 60}']).start()
+    await wait_until(lambda: running.status == 200)
+    queued = RawClient(app, http_scope(), [b'{"prompt": "a", "max_new_tokens": 60}']).start()
+    await wait_until(lambda: ledger.statistics().waiting == 1)
+    assert queued.task is not None and running.task is not None
+    queued.task.cancel()
+    running.task.cancel()
+    await asyncio.gather(queued.task, running.task, return_exceptions=True)
+    stats = ledger.statistics()
+    assert (stats.reserved_bytes, stats.waiting, stats.in_flight) == (0, 0, 0)
+
+
+async def test_client_that_disconnects_while_queued_is_never_admitted() -> None:
+    ledger = Ledger(100)
+    holder = await ledger.reserve(100)
+    called = []
+
+    @gpu_bound()
+    async def endpoint(request: Request) -> PlainTextResponse:
+        called.append(True)
+        return PlainTextResponse("no")
+
+    raw = RawClient(make_app(ledger, endpoint), http_scope(), [b'{"prompt": "a", "max_tokens": 5}']).start()
+    await wait_until(lambda: ledger.statistics().waiting == 1)
+    raw.disconnect()
+    await raw.finish()
+    assert raw.sent == [] and not called
+    assert ledger.statistics().waiting == 0
+    holder.release()
+    assert ledger.statistics().admitted_total == 1  # only the holder
+
+
+async def test_endpoint_can_release_early_and_let_the_next_request_in() -> None:
+    ledger = Ledger(100)
+    gate = asyncio.Event()
+
+    @gpu_bound()
+    async def early(request: Request) -> StreamingResponse:
+        reservation: Reservation = request.state.gpu_reservation
+        reservation.shrink(10)  # outputs are on the host: keep only what streaming needs
+
+        async def rest() -> Any:
+            await gate.wait()
+            yield b"done"
+
+        return StreamingResponse(rest())
+
+    app = make_app(ledger, early)
+    first = RawClient(app, http_scope(), [b'{"prompt": "a", "max_new_tokens": 79}']).start()
+    await wait_until(lambda: first.status == 200)
+    assert ledger.statistics().reserved_bytes == 10
+    second = RawClient(app, http_scope(), [b'{"prompt": "a", "max_new_tokens": 79}']).start()
+    await wait_until(lambda: second.status == 200)  # admitted while the first still streams
+    assert ledger.statistics().waiting == 0
+    gate.set()
+    await first.finish()
+    await second.finish()
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_host_without_router_registers_paths_explicitly() -> None:
+    ledger = Ledger(1000)
+    seen: list[Any] = []
+
+    async def bare(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        message = await receive()
+        if "gpu_admission" in scope.get("state", {}):
+            seen.append((json.loads(message["body"]), scope["state"]["gpu_admission"].estimated_bytes))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    app = GPUAdmissionMiddleware(bare, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter(),
+                                 routes={"/gen": RouteSpec(default_max_new_tokens=4)})
+    async with client(app) as http:
+        tagged = await http.post("/gen", json={"prompt": "a b"})
+        get = await http.get("/gen")
+        other = await http.post("/other", content=b"not json")
+    assert tagged.status_code == 200 and seen == [({"prompt": "a b"}, 6)]
+    assert get.status_code == 200 and other.status_code == 200  # untagged: passed through untouched
+    assert ledger.statistics().admitted_total == 1
+
+
+async def test_mounted_routes_path_params_and_routers_are_resolved() -> None:
+    ledger = Ledger(1000)
+    inner = Starlette(routes=[Route("/models/{name}/generate", echo, methods=["POST"])])
+    app = Starlette(routes=[Mount("/api", routes=[Mount("/v1", app=inner)])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        response = await http.post("/api/v1/models/qwen/generate", json={"prompt": "a b c", "max_tokens": 1})
+        wrong_method = await http.put("/api/v1/models/qwen/generate", json={"prompt": "a"})
+    assert response.status_code == 200 and response.json()["held"] == 4
+    assert wrong_method.status_code == 405
+
+
+async def test_long_prompts_are_counted_off_the_event_loop() -> None:
+    ledger = Ledger(10_000_000)
+    threads: list[int] = []
+
+    class SlowCounter:
+        inline_limit = 100
+
+        def count(self, text: str) -> int:
+            threads.append(threading.get_ident())
+            return len(text)
+
+    async with client(make_app(ledger, echo, token_counter=SlowCounter())) as http:
+        short = await http.post("/generate", json={"prompt": "x" * 10})
+        long = await http.post("/generate", json={"prompt": "x" * 1000})
+    assert short.status_code == long.status_code == 200
+    assert threads[0] == threading.get_ident()
+    assert threads[1] != threading.get_ident()
