@@ -26,7 +26,7 @@ from ._estimate import (
     cuda_peak_measurer,
     fit_linear,
 )
-from ._ledger import DeviceStatistics, Ledger, LedgerStatistics, Reservation
+from ._ledger import BudgetLedger, DeviceStatistics, Ledger, LedgerStatistics, Reservation
 from ._middleware import Admission, GPUAdmissionMiddleware
 from ._tagging import RouteSpec, gpu_bound
 from ._tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
@@ -36,6 +36,7 @@ __all__ = [
     "AdmissionRejected",
     "AnalyticEstimator",
     "BodyError",
+    "BudgetLedger",
     "BodyTimeout",
     "BodyTooLarge",
     "DeviceStatistics",

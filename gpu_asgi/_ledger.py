@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from ._errors import NeverFits, QueueFull, QueueTimeout
 
@@ -62,12 +63,36 @@ class LedgerStatistics:
         return sum(device.reserved_bytes for device in self.devices)
 
 
+@runtime_checkable
+class BudgetLedger(Protocol):
+    """What the middleware needs from a ledger: the in-process :class:`Ledger` or a shared one.
+
+    Implementations hand out :class:`Reservation` objects and receive their bytes back through
+    ``_give_back``, called on the event loop exactly once per byte.
+    """
+
+    @property
+    def devices(self) -> tuple[str, ...]: ...
+
+    def try_reserve(self, nbytes: int, *, devices: Sequence[str] | None = None) -> Reservation | None: ...
+
+    async def reserve(
+        self, nbytes: int, *, devices: Sequence[str] | None = None, priority: int = 0, timeout: float | None = None
+    ) -> Reservation: ...
+
+    def retry_after(self, nbytes: int = 0) -> float: ...
+
+    def statistics(self) -> LedgerStatistics: ...
+
+    def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None: ...
+
+
 class Reservation:
     """Bytes held on one device. Release is idempotent; the bytes return exactly once."""
 
     __slots__ = ("id", "device", "requested_bytes", "waited", "_held", "_released", "_ledger")
 
-    def __init__(self, ledger: Ledger, id: str, device: str, nbytes: int, waited: float) -> None:
+    def __init__(self, ledger: BudgetLedger, id: str, device: str, nbytes: int, waited: float) -> None:
         self.id = id
         self.device = device
         self.requested_bytes = nbytes

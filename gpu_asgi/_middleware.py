@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ._body import check_headers, parse_request, read_body
 from ._errors import GPUAdmissionError
 from ._estimate import Estimator
-from ._ledger import Ledger, Reservation
+from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
 from ._tagging import DEFAULT_ROUTE_CACHE_SIZE, RouteResolver, RouteSpec
 from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens
@@ -55,7 +55,7 @@ class GPUAdmissionMiddleware:
         self,
         app: ASGIApp,
         *,
-        ledger: Ledger,
+        ledger: BudgetLedger,
         estimator: Estimator,
         token_counter: TokenCounter | None = None,
         routes: Mapping[str, RouteSpec] | None = None,
