@@ -28,6 +28,8 @@ _DTYPE_BYTES = {
 
 @runtime_checkable
 class Estimator(Protocol):
+    """What the middleware asks of an estimator, per request."""
+
     def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
         """Peak bytes one request of `batch` sequences adds on top of the fixed cost."""
         ...
@@ -64,13 +66,13 @@ class AnalyticEstimator:
     """Bytes from the architecture of a decoder-only transformer (Llama/Qwen2 family).
 
     estimate = KV cache for prompt + max_new tokens
-             + the larger of the prefill and the decode-step workspace
+             + the larger of the prefill and the decode-step workspace of one layer
              + the last-position logits and sampling buffers.
 
-    It is an upper bound for Hugging Face `generate` with a `DynamicCache`: the KV part
-    is exact (sliding-window layers are counted at full length), the rest is a
-    deliberate over-count. `calibrate` fits tighter coefficients on a real device.
-    `materialized_attention=False` drops the T x T score matrix, for flash attention.
+    An upper bound for Hugging Face `generate` with a `DynamicCache`: the KV part is
+    exact (sliding-window layers are counted at full length), the workspace follows
+    eager attention, which materializes the T x T scores; `materialized_attention=False`
+    drops them for flash/memory-efficient kernels. `calibrate` fits tighter numbers.
     """
 
     num_layers: int
@@ -99,13 +101,15 @@ class AnalyticEstimator:
         `dtype`: a torch.dtype, a name such as "bfloat16", or None for the config's
         own `dtype`/`torch_dtype`, else float16. `knobs` set the remaining fields.
         """
+        # Multimodal configs nest the language model; its KV cache is what grows.
         if isinstance(config, Mapping):
-            # Multimodal configs nest the language model; its KV cache is what grows.
             text = config.get("text_config") or config
-            get = text.get
         else:
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
-            get = lambda key, default=None: getattr(text, key, default)  # noqa: E731
+
+        def get(key: str) -> Any:
+            return text.get(key) if isinstance(text, Mapping) else getattr(text, key, None)
+
         heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
         if dtype is None:
@@ -128,7 +132,13 @@ class AnalyticEstimator:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes * tokens * batch
 
     def prefill_workspace_bytes(self, prompt_tokens: int, batch: int = 1) -> int:
-        """Transient activations of the one layer running the whole prompt."""
+        """Transient activations of the one layer running the whole prompt.
+
+        Per token: residual stream, normed copy and RMSNorm's float32 temporaries, then
+        the larger of attention (q/k/v with rotary copies, grouped K/V expanded to all
+        heads, and heads x prompt^2 scores in the dtype plus their float32 softmax)
+        and the MLP (gate, up and their product at intermediate size).
+        """
         return self._layer_workspace(prompt_tokens, prompt_tokens, batch)
 
     def decode_workspace_bytes(self, context_tokens: int, batch: int = 1) -> int:
@@ -138,15 +148,15 @@ class AnalyticEstimator:
     def logits_bytes(self, batch: int = 1) -> int:
         """Last-position logits in the model dtype plus float32 sampling buffers.
 
-        `generate` asks the model for the last position only (`logits_to_keep=1`) and
-        copies it to float32; with sampling, temperature/top-k/top-p masks, the top-p
-        sort and cumsum, and the softmax keep about seven more float32 copies alive,
-        plus int64 sort indices (two) and boolean masks: `sampling_buffers` float32
-        vocab-sized buffers in all (10, measured with transformers 5 on the CPU).
+        `generate` asks for the last position only (`logits_to_keep=1`) and copies it to
+        float32; temperature/top-k/top-p masks, the top-p sort and cumsum and the softmax
+        keep about seven more float32 copies, int64 sort indices (two) and boolean masks
+        alive: `sampling_buffers` vocab-sized float32 buffers (10, measured on transformers 5).
         """
         return batch * self.vocab_size * (self.dtype_bytes + 4 * self.sampling_buffers)
 
     def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
+        # The KV cache is counted at full length in the prefill too: simpler, and safe.
         _check(prompt_tokens, max_new_tokens, batch)
         total = prompt_tokens + max_new_tokens
         workspace = max(self.prefill_workspace_bytes(prompt_tokens, batch),
@@ -154,12 +164,10 @@ class AnalyticEstimator:
         return self.kv_cache_bytes(total, batch) + workspace + self.logits_bytes(batch)
 
     def _layer_workspace(self, query: int, context: int, batch: int) -> int:
-        # Layers run one after another, so only one layer's temporaries are alive.
-        # Per query token: the residual stream and its normed copy, plus RMSNorm's float32
-        # upcast and product; then the larger of the attention and the MLP block.
+        # Layers run one after another, so only one layer's temporaries are alive at once.
         h, d, b = self.hidden_size, self.head_dim, self.dtype_bytes
         heads, kv = self.num_attention_heads, self.num_kv_heads
-        stream = query * h * (2 * b + 8)
+        stream = query * h * (2 * b + 8)  # residual, normed copy; RMSNorm's float32 upcast and product
         # Rotary makes up to four copies of q and k; v; the output transposed and reshaped.
         attention = query * d * b * (4 * (heads + kv) + kv + 2 * heads)
         # DynamicCache grows by torch.cat, so the old K/V of this layer outlive the new;
@@ -177,18 +185,15 @@ class AnalyticEstimator:
 
 
 def _dtype_bytes(dtype: Any) -> int:
-    if dtype is None:
-        return DEFAULT_DTYPE_BYTES
-    itemsize = getattr(dtype, "itemsize", None)  # torch.dtype, without importing torch
+    itemsize = getattr(dtype, "itemsize", None)  # a torch.dtype, read without importing torch
     if isinstance(itemsize, int):
         return itemsize
     name = str(dtype).removeprefix("torch.").lower()
-    if name == "auto":
+    if dtype is None or name == "auto":
         return DEFAULT_DTYPE_BYTES
-    try:
-        return _DTYPE_BYTES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; pass e.g. 'float16', 'bfloat16' or 'float32'") from None
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; pass e.g. 'float16', 'bfloat16' or 'float32'")
+    return _DTYPE_BYTES[name]
 
 
 def budget_bytes(
@@ -225,15 +230,14 @@ def fit_linear(samples: Iterable[tuple[int, int]], *, margin: float = 0.0) -> Li
     points = [(Fraction(x), Fraction(y)) for x, y in samples]
     if len({x for x, _ in points}) < 2:
         raise ValueError("fit_linear needs samples at two or more distinct token counts")
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
     cov = sum((x - mean_x) * (y - mean_y) for x, y in points)
     var = sum((x - mean_x) ** 2 for x, _ in points)
     # Memory never shrinks with length; a negative slope is noise, not physics.
     per_token = max(Fraction(0), cov / var)
     fixed = max(Fraction(0), max(y - per_token * x for x, y in points))
-    scale = 1 + Fraction(margin)
+    scale = 1 + Fraction(str(margin))  # str: 0.05 means 1/20, not its binary float
     return LinearEstimator(bytes_per_token=math.ceil(per_token * scale), fixed_bytes=math.ceil(fixed * scale))
 
 
@@ -254,8 +258,9 @@ def cuda_peak_measurer(model: Any, *, device: Any = None) -> Callable[[int, int]
 
     Random prompt ids of the asked length, exactly `max_new_tokens` new tokens (EOS is
     suppressed), under `torch.inference_mode()`; returns `max_memory_allocated` minus
-    what was allocated before, so weights are excluded. Allocator fragmentation
-    (reserved but not allocated) is not seen: keep a margin. Untested on CPU-only CI.
+    what was allocated before, so weights are excluded. Run it before serving: other
+    work on the device would count. Allocator fragmentation (reserved, not allocated)
+    is not seen: keep a margin. Untested on CPU-only CI.
     """
     import torch
 
