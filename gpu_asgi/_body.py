@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ._deadlines import Deadlines
 from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, UnsupportedMediaType
 from ._tagging import RouteSpec
 from ._types import Receive, Scope
@@ -55,25 +56,30 @@ def check_headers(scope: Scope, max_bytes: int) -> None:
                 )
 
 
-async def read_body(receive: Receive, max_bytes: int, timeout: float) -> bytes | None:
+async def read_body(receive: Receive, max_bytes: int, timeout: float, deadlines: Deadlines) -> bytes | None:
     """The whole body, or None when the client disconnected while sending it."""
     chunks: list[bytes] = []
     size = 0
+    key = deadlines.add(timeout)
     try:
-        async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return None
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > max_bytes:
-                    raise BodyTooLarge(f"The body is larger than the limit of {max_bytes} bytes.", limit_bytes=max_bytes)
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-    except TimeoutError:
-        raise BodyTimeout(f"The body was not received within {timeout:g} s.") from None
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise BodyTooLarge(f"The body is larger than the limit of {max_bytes} bytes.", limit_bytes=max_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+    except asyncio.CancelledError:
+        if deadlines.discard(key):
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # our own cancellation
+            raise BodyTimeout(f"The body was not received within {timeout:g} s.") from None
+        raise
+    finally:
+        deadlines.discard(key)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
@@ -84,17 +90,40 @@ def parse_request(body: bytes, spec: RouteSpec) -> ParsedRequest:
     return ParsedRequest(prompts, _max_new_tokens(data, spec), _n(data, spec))
 
 
-def _load_json(body: bytes) -> dict[str, Any]:
+def _load_json_stdlib(body: bytes) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidJSON(f"The body is not valid UTF-8 (byte {exc.start}).") from None
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidJSON(f"The body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}.") from None
     except RecursionError:
         raise InvalidJSON("The JSON body is nested too deeply.") from None
+
+
+def _load_json_orjson(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        if "UTF-8" in exc.msg:
+            raise InvalidJSON(f"The body is not valid UTF-8 (byte {exc.pos}).") from None
+        if "depth limit" in exc.msg:
+            raise InvalidJSON("The JSON body is nested too deeply.") from None
+        raise InvalidJSON(f"The body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}.") from None
+
+
+try:  # orjson parses a 1 KB body about 4x faster than json, on every admitted request
+    import orjson
+except ImportError:  # pragma: no cover - depends on the install
+    load_json = _load_json_stdlib
+else:
+    load_json = _load_json_orjson
+
+
+def _load_json(body: bytes) -> dict[str, Any]:
+    data = load_json(body)
     if not isinstance(data, dict):
         raise InvalidField(f"The JSON body must be an object, not {_json_type(data)}.")
     return data

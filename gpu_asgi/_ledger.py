@@ -189,6 +189,7 @@ class Ledger:
             raise ValueError("a ledger needs at least one device")
         self._devices = {name: _Device(name, nbytes) for name, nbytes in capacities.items()}
         self._all = tuple(self._devices.values())
+        self._largest = max(device.capacity for device in self._all)
         self.max_queue = max_queue
         self.max_wait = max_wait
         self.max_bypass = max_bypass
@@ -278,6 +279,8 @@ class Ledger:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
         if devices is None:
+            if nbytes <= self._largest:  # the common case, without a generator per request
+                return self._all
             allowed = self._all
         else:
             try:
@@ -302,6 +305,8 @@ class Ledger:
 
     def _dispatch(self) -> None:
         """Admit waiters in order; later ones pass a head that does not fit at most ``max_bypass`` times."""
+        if not self._waiting:
+            return
         blocked: _Waiter | None = None
         for waiter in list(self._ordered()):
             if waiter.future.done():  # cancelled, its task has not run its cleanup yet

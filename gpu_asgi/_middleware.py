@@ -13,12 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ._body import check_headers, parse_request, read_body
+from ._deadlines import Deadlines
 from ._errors import GPUAdmissionError
 from ._estimate import Estimator
 from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
 from ._tagging import DEFAULT_ROUTE_CACHE_SIZE, RouteResolver, RouteSpec
-from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens
+from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens_in_thread
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -28,7 +29,7 @@ ADMISSION_STATE_KEY = "gpu_admission"
 RESERVATION_STATE_KEY = "gpu_reservation"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs a microsecond on the hot path
 class Admission:
     """What the middleware decided for this request; the endpoint reads it from ``request.state``."""
 
@@ -74,6 +75,7 @@ class GPUAdmissionMiddleware:
         self.body_timeout = body_timeout
         self.reject_status = reject_status
         self._routes = RouteResolver(routes, route_cache_size)
+        self._deadlines = Deadlines(tick=min(1.0, max(0.01, body_timeout / 10)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,11 +91,16 @@ class GPUAdmissionMiddleware:
         pending: asyncio.Future[Message] | None = None
         try:
             check_headers(scope, self.max_body_bytes)
-            body = await read_body(receive, self.max_body_bytes, self.body_timeout)
+            body = await read_body(receive, self.max_body_bytes, self.body_timeout, self._deadlines)
             if body is None:
                 return  # the client left while sending: nobody to answer, nothing reserved
             request = parse_request(body, spec)
-            counts = await count_tokens(self.token_counter, [prompt.text for prompt in request.prompts])
+            counter = self.token_counter
+            texts = [prompt.text for prompt in request.prompts]
+            if sum(map(len, texts)) <= counter.inline_limit:
+                counts = [counter.count(text) for text in texts]
+            else:
+                counts = await count_tokens_in_thread(counter, texts)
             prompt_tokens = max(n + prompt.known_tokens for n, prompt in zip(counts, request.prompts))
             batch = len(request.prompts) * request.n
             nbytes = (spec.estimator or self.estimator).estimate(prompt_tokens, request.max_new_tokens, batch)

@@ -64,8 +64,10 @@ class HFTokenCounter:
         return f"HFTokenCounter(inline_limit={self.inline_limit})"
 
 
-async def count_tokens(counter: TokenCounter, texts: Sequence[str]) -> list[int]:
-    """Tokens of each text; long inputs are counted in a thread, not on the event loop."""
-    if sum(map(len, texts)) <= counter.inline_limit:
-        return [counter.count(text) for text in texts]
+async def count_tokens_in_thread(counter: TokenCounter, texts: Sequence[str]) -> list[int]:
+    """Tokens of each text, counted in a worker thread so the event loop keeps serving.
+
+    The middleware counts inline (no coroutine, no thread hop) while the texts are within
+    ``counter.inline_limit`` characters and calls this for longer ones.
+    """
     return await asyncio.to_thread(lambda: [counter.count(text) for text in texts])

@@ -28,6 +28,8 @@ from gpu_asgi import (
     gpu_reservation,
 )
 
+from gpu_asgi import _body
+
 from ._asgi import RawClient, http_scope, settle, wait_until
 
 ONE_BYTE_PER_TOKEN = LinearEstimator(bytes_per_token=1)
@@ -227,9 +229,12 @@ async def test_websocket_and_lifespan_pass_through() -> None:
         (b'{"prompt": "' + b"x" * 2_000_000 + b'"}', {}, 413, "body-too-large", "larger than the limit"),
     ],
 )
+@pytest.mark.parametrize("loader", ["orjson", "stdlib"])
 async def test_bad_input_gets_a_problem_and_never_reaches_the_endpoint(
-    body: bytes, headers: dict[str, str], status: int, reason: str, detail: str
+    body: bytes, headers: dict[str, str], status: int, reason: str, detail: str, loader: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(_body, "load_json", getattr(_body, f"_load_json_{loader}"))
     ledger = Ledger(1000)
     called = []
 
