@@ -1,0 +1,150 @@
+"""In-process middleware overhead: the same trivial endpoints with and without gpu_asgi.
+
+    python -m tests.benchmarks.bench_overhead [--requests 20000] [--rounds 7]
+
+Requests go straight into the ASGI app (no network, no HTTP client), so the difference is the
+middleware's own cost. Bare and wrapped apps run in alternating rounds of one process; the
+reported ratio is the median over rounds of (wrapped throughput / bare throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator, gpu_bound
+
+from ._report import table, write_report
+
+BODY = json.dumps({"prompt": "word " * 196, "max_new_tokens": 64}).encode()
+assert 1000 <= len(BODY) <= 1100, len(BODY)
+
+
+async def plain(request: Request) -> PlainTextResponse:
+    return PlainTextResponse("ok")
+
+
+@gpu_bound()
+async def generate(request: Request) -> PlainTextResponse:
+    body = await request.body()  # the trivial endpoint reads its body, with or without the middleware
+    return PlainTextResponse(str(len(body)))
+
+
+class GenerateIn(BaseModel):
+    prompt: str
+    max_new_tokens: int = 16
+
+
+def build_fastapi() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/plain")
+    async def plain_fastapi() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    @app.post("/generate")
+    @gpu_bound()
+    async def generate_fastapi(body: GenerateIn) -> dict[str, int]:
+        return {"chars": len(body.prompt)}
+
+    return app
+
+
+def build(with_middleware: bool, framework: str = "starlette") -> Starlette:
+    if framework == "fastapi":
+        app = build_fastapi()
+    else:
+        app = Starlette(routes=[Route("/plain", plain), Route("/generate", generate, methods=["POST"])])
+    if with_middleware:
+        app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(1 << 40), estimator=LinearEstimator(bytes_per_token=1))
+    return app
+
+
+def scope_for(path: str, method: str, app: Starlette) -> dict[str, Any]:
+    headers = [(b"host", b"bench"), (b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())]
+    return {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+        "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "query_string": b"", "headers": headers if method == "POST" else headers[:1],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }
+
+
+async def drive(app: Starlette, path: str, method: str, requests: int) -> float:
+    """Requests per second for ``requests`` sequential calls."""
+    template = scope_for(path, method, app)
+    body_message = {"type": "http.request", "body": BODY if method == "POST" else b"", "more_body": False}
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        return body_message
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    start = time.perf_counter()
+    for _ in range(requests):
+        await app(dict(template), receive, send)
+    elapsed = time.perf_counter() - start
+    assert set(statuses) == {200}, set(statuses)
+    return requests / elapsed
+
+
+CASES = [
+    ("starlette", "untagged GET", "/plain", "GET", 0.98),
+    ("starlette", "tagged POST 1 KB JSON", "/generate", "POST", 0.90),
+    ("fastapi", "untagged GET", "/plain", "GET", 0.98),
+    ("fastapi", "tagged POST 1 KB JSON", "/generate", "POST", 0.90),
+]
+
+
+async def run(requests: int, rounds: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for framework, route, path, method, target in CASES:
+        name = f"{framework}: {route}"
+        bare, wrapped = build(False, framework), build(True, framework)
+        await drive(bare, path, method, requests // 10)  # warm up both
+        await drive(wrapped, path, method, requests // 10)
+        ratios, bare_rps, wrapped_rps = [], [], []
+        for _ in range(rounds):
+            b = await drive(bare, path, method, requests)
+            w = await drive(wrapped, path, method, requests)
+            bare_rps.append(b)
+            wrapped_rps.append(w)
+            ratios.append(w / b)
+        results[name] = {
+            "target": target,
+            "bare_rps": statistics.median(bare_rps),
+            "middleware_rps": statistics.median(wrapped_rps),
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+        }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    results = asyncio.run(run(args.requests, args.rounds))
+    rows = [[name, r["bare_rps"], r["middleware_rps"], r["ratio"], r["target"], "yes" if r["ratio"] >= r["target"] else "NO"]
+            for name, r in results.items()]
+    print(table(rows, ["route", "bare req/s", "with gpu_asgi req/s", "ratio (median)", "target", "met"]))
+    print("report:", write_report("overhead", {"requests": args.requests, "rounds": args.rounds, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
