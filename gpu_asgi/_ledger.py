@@ -343,8 +343,10 @@ class Ledger:
         if finished:
             device.in_flight -= 1
         if nbytes:
-            self._releases.append((self._clock(), nbytes))
+            now = self._clock()
+            self._releases.append((now, nbytes))
             self._released_in_window += nbytes
+            self._trim_releases(now)  # keeps the window bounded even if nobody asks for the rate
         self._dispatch()
 
     # -- rates and statistics -------------------------------------------------------------
@@ -355,12 +357,15 @@ class Ledger:
     def release_rate(self) -> float:
         """Bytes per second given back over the last ``RATE_WINDOW`` seconds."""
         now = self._clock()
+        self._trim_releases(now)
+        if not self._releases:
+            return 0.0
+        return self._released_in_window / max(now - self._releases[0][0], 1.0)
+
+    def _trim_releases(self, now: float) -> None:
         releases = self._releases
         while releases and releases[0][0] < now - RATE_WINDOW:
             self._released_in_window -= releases.popleft()[1]
-        if not releases:
-            return 0.0
-        return self._released_in_window / max(now - releases[0][0], 1.0)
 
     def retry_after(self, nbytes: int = 0) -> float:
         """Seconds until ``nbytes`` would likely fit behind the queue, from the observed drain rate.

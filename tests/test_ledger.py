@@ -192,6 +192,15 @@ async def test_retry_after_follows_the_observed_release_rate() -> None:
     holder.release()
 
 
+async def test_release_history_stays_bounded_without_rate_queries() -> None:
+    clock = FakeClock()
+    ledger = Ledger(10, clock=clock)
+    for _ in range(1000):
+        (await ledger.reserve(1)).release()
+        clock.now += 1
+    assert len(ledger._releases) <= 31  # one release per second, 30 s window
+
+
 async def test_reservation_is_a_context_manager() -> None:
     ledger = Ledger(10)
     with await ledger.reserve(10) as reservation:
