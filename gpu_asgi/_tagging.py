@@ -103,24 +103,26 @@ class RouteResolver:
 
     The middleware sits in front of the router, so it asks the app's routes itself
     (``route.matches(scope)``, recursing into mounts). Answers are cached per
-    (method, root_path, path); the cache is bounded because path parameters make paths unbounded.
+    (method, path); the cache is bounded because path parameters make paths unbounded.
     """
 
     def __init__(self, explicit: Mapping[str, RouteSpec] | None = None, cache_size: int = DEFAULT_ROUTE_CACHE_SIZE) -> None:
         self._explicit = dict(explicit or {})
-        self._cache: dict[tuple[str, str, str], RouteSpec | None] = {}
+        #: (method, path) -> spec or None. ``path`` is the full path (root_path included), so it
+        #: names one route of this app. Readable directly for a lookup without a call.
+        self.cache: dict[tuple[str, str], RouteSpec | None] = {}
         self._cache_size = cache_size
 
     def resolve(self, scope: Scope) -> RouteSpec | None:
-        key = (scope["method"], scope.get("root_path", ""), scope["path"])
+        key = (scope["method"], scope["path"])
         try:
-            return self._cache[key]
+            return self.cache[key]
         except KeyError:
             pass
         spec = self._lookup(scope)
-        if len(self._cache) >= self._cache_size:
-            del self._cache[next(iter(self._cache))]  # evict the oldest entry
-        self._cache[key] = spec
+        if len(self.cache) >= self._cache_size:
+            del self.cache[next(iter(self.cache))]  # evict the oldest entry
+        self.cache[key] = spec
         return spec
 
     def _lookup(self, scope: Scope) -> RouteSpec | None:

@@ -89,4 +89,4 @@ def test_resolution_is_cached_and_the_cache_is_bounded() -> None:
     assert calls == ["/items/1"]
     for n in range(10):
         resolver.resolve(http_scope(f"/items/{n}", app=app))
-    assert len(resolver._cache) == 3
+    assert len(resolver.cache) == 3
