@@ -4,14 +4,18 @@ Everything public is importable from here; the modules behind it are private.
 """
 
 from ._dependencies import gpu_admission, gpu_reservation
+from ._device_policy import DeviceGuard, ThermalPolicy
 from ._errors import (
     AdmissionRejected,
     BodyError,
     BodyTimeout,
     BodyTooLarge,
+    DeviceMemoryLow,
+    DeviceProbeFailed,
     GPUAdmissionError,
     InvalidField,
     InvalidJSON,
+    LedgerUnavailable,
     NeverFits,
     QueueFull,
     QueueTimeout,
@@ -26,9 +30,17 @@ from ._estimate import (
     cuda_peak_measurer,
     fit_linear,
 )
+from ._executor import DeviceExecutor
+from ._health import health_report, health_router
 from ._ledger import BudgetLedger, DeviceStatistics, Ledger, LedgerStatistics, Reservation
+from ._ledger_url import ledger_from_url
+from ._metrics import GPUMetrics
 from ._middleware import Admission, GPUAdmissionMiddleware
+from ._otel_config import configure_tracing
+from ._probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe
+from ._sampler import DeviceSampler, DeviceSnapshot
 from ._tagging import RouteSpec, gpu_bound
+from ._telemetry import Phase, gpu_phase
 from ._tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 
 __all__ = [
@@ -36,32 +48,53 @@ __all__ = [
     "AdmissionRejected",
     "AnalyticEstimator",
     "BodyError",
-    "BudgetLedger",
     "BodyTimeout",
     "BodyTooLarge",
+    "BudgetLedger",
+    "DeviceExecutor",
+    "DeviceGuard",
+    "DeviceMemoryLow",
+    "DeviceProbeFailed",
+    "DeviceReading",
+    "DeviceSampler",
+    "DeviceSnapshot",
     "DeviceStatistics",
     "Estimator",
     "GPUAdmissionError",
     "GPUAdmissionMiddleware",
+    "GPUMetrics",
     "HFTokenCounter",
     "HeuristicTokenCounter",
     "InvalidField",
     "InvalidJSON",
     "Ledger",
     "LedgerStatistics",
+    "LedgerUnavailable",
     "LinearEstimator",
+    "NVMLProbe",
     "NeverFits",
+    "NoDeviceProbe",
+    "Phase",
+    "Probe",
     "QueueFull",
     "QueueTimeout",
     "Reservation",
     "RouteSpec",
+    "ThermalPolicy",
     "TokenCounter",
+    "TorchProbe",
     "UnsupportedMediaType",
+    "auto_probe",
     "budget_bytes",
     "calibrate",
+    "configure_tracing",
     "cuda_peak_measurer",
     "fit_linear",
     "gpu_admission",
     "gpu_bound",
+    "gpu_phase",
     "gpu_reservation",
+    "health_report",
+    "health_router",
+    "ledger_from_url",
 ]

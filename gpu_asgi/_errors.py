@@ -76,3 +76,21 @@ class NeverFits(AdmissionRejected):
     """The request needs more bytes than any allowed device's whole budget: retrying cannot help."""
 
     status, reason, title = 413, "exceeds-budget", "The request needs more GPU memory than the budget"
+
+
+class DeviceMemoryLow(AdmissionRejected):
+    """The ledger had room, but the device's real free memory (sampled) is below the estimate plus a margin."""
+
+    reason, title = "device-memory-low", "The GPU has too little free memory right now"
+
+
+class DeviceProbeFailed(AdmissionRejected):
+    """The device guard fails closed and the device could not be read (or its reading is too old)."""
+
+    reason, title = "device-probe-failed", "The GPU's free memory could not be checked"
+
+
+class LedgerUnavailable(AdmissionRejected):
+    """The shared ledger (Redis) did not answer in time; admission fails closed rather than guess."""
+
+    reason, title = "ledger-unavailable", "The GPU budget ledger is unavailable"

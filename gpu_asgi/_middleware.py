@@ -3,25 +3,37 @@
 headers checked → body buffered → JSON parsed → tokens counted → bytes estimated →
 bytes reserved (or queued, watching for a disconnect, or rejected) → endpoint called with the
 same body bytes → reservation released exactly once, at the first of: last body chunk sent,
-client disconnect, endpoint exception, cancellation.
+endpoint return, exception or cancellation (a client disconnect ends the endpoint; the bytes come
+back when its work has stopped, not while a model thread may still use them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from opentelemetry.trace import Span, TracerProvider
+
+from . import _telemetry as otel
 from ._body import check_headers, parse_request, read_body
 from ._deadlines import Deadlines
-from ._errors import GPUAdmissionError
+from ._device_policy import CLAMPED_HEADER, DeviceGuard, ThermalPolicy
+from ._errors import GPUAdmissionError, QueueTimeout
 from ._estimate import Estimator
 from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
+from ._sampler import DeviceSampler
 from ._tagging import DEFAULT_ROUTE_CACHE_SIZE, RouteResolver, RouteSpec
 from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens_in_thread
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
+if TYPE_CHECKING:
+    from ._metrics import GPUMetrics
+
+_UNRESOLVED = object()
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT = 30.0
 #: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
@@ -39,10 +51,19 @@ class Admission:
     #: Sequences generated: prompts in the body × ``n``.
     batch: int
     estimated_bytes: int
+    #: ``max_new_tokens`` as the client asked, when the thermal policy lowered it (else None).
+    #: The body still holds the client's value: generate with :attr:`max_new_tokens`.
+    clamped_from: int | None = None
+    _metrics: GPUMetrics | None = field(default=None, repr=False, compare=False)
 
     @property
     def device(self) -> str:
         return self.reservation.device
+
+    def report_peak_bytes(self, nbytes: int) -> None:
+        """Report the request's measured peak bytes (feeds the estimate-versus-actual metric)."""
+        if self._metrics is not None:
+            self._metrics.record_peak(self.device, self.estimated_bytes, nbytes)
 
 
 class GPUAdmissionMiddleware:
@@ -64,37 +85,65 @@ class GPUAdmissionMiddleware:
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         reject_status: int = 503,
         route_cache_size: int = DEFAULT_ROUTE_CACHE_SIZE,
+        tracer_provider: TracerProvider | None = None,
+        metrics: GPUMetrics | None = None,
+        sampler: DeviceSampler | None = None,
+        thermal: ThermalPolicy | None = None,
+        device_guard: DeviceGuard | None = None,
     ) -> None:
         if reject_status not in (429, 503):
             raise ValueError("reject_status must be 429 or 503")
+        if (thermal is not None or device_guard is not None) and sampler is None:
+            raise ValueError("thermal and device_guard act on device readings: pass sampler=DeviceSampler(probe) too")
         self.app = app
         self.ledger = ledger
         self.estimator = estimator
-        self.token_counter: TokenCounter = token_counter or HeuristicTokenCounter()
+        self.token_counter: TokenCounter = token_counter if token_counter is not None else HeuristicTokenCounter()
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.reject_status = reject_status
         self._routes = RouteResolver(routes, route_cache_size)
+        self._route_cache = self._routes.cache
         self._deadlines = Deadlines(tick=min(1.0, max(0.01, body_timeout / 10)))
+        self._tracer = otel.get_tracer(tracer_provider)
+        self._queued = 0  # requests of this middleware waiting for bytes (queue depth on arrival)
+        self.metrics = metrics
+        self.sampler = sampler
+        self.thermal = thermal
+        self.device_guard = device_guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        spec = self._routes.resolve(scope)
-        if spec is None:
-            await self.app(scope, receive, send)
-            return
-        await self._admit(spec, scope, receive, send)
+        if scope["type"] == "http":
+            # The resolver's cache, read inline: this is all an untagged request pays.
+            spec = self._route_cache.get((scope["method"], scope["path"]), _UNRESOLVED)
+            if spec is _UNRESOLVED:
+                spec = self._routes.resolve(scope)
+            if spec is not None:
+                await self._admit(spec, scope, receive, send)  # type: ignore[arg-type]
+                return
+        await self.app(scope, receive, send)
 
     async def _admit(self, spec: RouteSpec, scope: Scope, receive: Receive, send: Send) -> None:
-        pending: asyncio.Future[Message] | None = None
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.ensure_refreshing()
+        if self.sampler is not None:
+            self.sampler.ensure_started()
+        clamped_from: int | None = None
         try:
             check_headers(scope, self.max_body_bytes)
             body = await read_body(receive, self.max_body_bytes, self.body_timeout, self._deadlines)
             if body is None:
                 return  # the client left while sending: nobody to answer, nothing reserved
             request = parse_request(body, spec)
+            max_new_tokens = request.max_new_tokens
+            thermal = self.thermal
+            if thermal is not None:  # before estimating: the estimate is for the clamped value
+                limit = thermal.max_new_tokens_limit(self.sampler.snapshot, spec.devices)  # type: ignore[union-attr]
+                if limit is not None and max_new_tokens > limit:
+                    clamped_from, max_new_tokens = max_new_tokens, limit
+                    if metrics is not None:
+                        metrics.record_clamp()
             counter = self.token_counter
             texts = [prompt.text for prompt in request.prompts]
             if sum(map(len, texts)) <= counter.inline_limit:
@@ -103,18 +152,27 @@ class GPUAdmissionMiddleware:
                 counts = await count_tokens_in_thread(counter, texts)
             prompt_tokens = max(n + prompt.known_tokens for n, prompt in zip(counts, request.prompts))
             batch = len(request.prompts) * request.n
-            nbytes = (spec.estimator or self.estimator).estimate(prompt_tokens, request.max_new_tokens, batch)
-            reservation = self.ledger.try_reserve(nbytes, devices=spec.devices)
-            if reservation is None:
-                reservation, pending = await self._wait(nbytes, spec, receive)
-                if reservation is None:
-                    return  # disconnected while queued: never admitted
+            nbytes = (spec.estimator or self.estimator).estimate(prompt_tokens, max_new_tokens, batch)
         except GPUAdmissionError as error:
-            status = self.reject_status if error.status == 503 else error.status
-            await send_problem(send, error, status=status, instance=scope.get("path", ""))
+            if metrics is not None:
+                metrics.record_rejection(error.reason)
+            await self._answer(send, scope, error)
             return
+        span = self._tracer.start_span(otel.QUEUE_WAIT_SPAN)  # not made current: the endpoint's spans are siblings
+        if span.is_recording():
+            attributes = otel.queue_wait_attributes(
+                prompt_tokens, max_new_tokens, nbytes, batch, spec.priority, clamped_from
+            )
+            span.set_attributes(attributes)
+        try:
+            reservation, pending = await self._reserve(span, nbytes, spec, receive)
+        except GPUAdmissionError as error:
+            await self._answer(send, scope, error)
+            return
+        if reservation is None:
+            return  # disconnected while queued: never admitted
 
-        admission = Admission(reservation, prompt_tokens, request.max_new_tokens, batch, nbytes)
+        admission = Admission(reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics)
         state = scope.get("state")
         if state is None:
             scope["state"] = state = {}
@@ -129,14 +187,17 @@ class GPUAdmissionMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             if pending is not None:
                 waiting, pending = pending, None
-                message = await waiting
-            else:
-                message = await receive()
-            if message["type"] == "http.disconnect":
-                reservation.release()
-            return message
+                return await waiting
+            # A disconnect does not release here: a model call may still be using the memory in
+            # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
+            # and the ``finally`` below releases once the endpoint has really stopped.
+            return await receive()
+
+        clamp_header = None if clamped_from is None else (CLAMPED_HEADER, str(max_new_tokens).encode("ascii"))
 
         async def send_releasing(message: Message) -> None:
+            if clamp_header is not None and message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), clamp_header]}
             await send(message)
             kind = message["type"]
             if (kind == "http.response.body" and not message.get("more_body", False)) or kind == "http.response.pathsend":
@@ -148,6 +209,61 @@ class GPUAdmissionMiddleware:
             reservation.release()
             if pending is not None:
                 pending.cancel()
+
+    async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError) -> None:
+        status = self.reject_status if error.status == 503 else error.status
+        await send_problem(send, error, status=status, instance=scope.get("path", ""))
+
+    async def _reserve(
+        self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive
+    ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
+        """Reserve (or queue for) the bytes, then ask the device guard, if any.
+
+        Returns what :meth:`_wait` returns, or raises the rejection. Whatever happens, the
+        queue-wait span ends and the decision is counted in ``finally``.
+        """
+        outcome, reason, device, depth, started = otel.CANCELLED, None, None, 0, 0.0
+        pending: asyncio.Future[Message] | None = None
+        try:
+            reservation = self.ledger.try_reserve(nbytes, devices=spec.devices)
+            if reservation is None:
+                # Requests whose reserve() task has not run yet are not in the ledger's count: ours covers them.
+                depth = max(self.ledger.statistics().waiting, self._queued)
+                self._queued += 1
+                started = time.perf_counter()
+                reservation, pending = await self._wait(nbytes, spec, receive)
+                if reservation is None:
+                    outcome = otel.DISCONNECTED
+                    return None, None
+            device = reservation.device
+            if self.device_guard is not None:
+                self._check_device(reservation, nbytes)
+            outcome = otel.ADMITTED
+            return reservation, pending
+        except GPUAdmissionError as error:
+            outcome = otel.TIMED_OUT if isinstance(error, QueueTimeout) else otel.REJECTED
+            reason = error.reason
+            if pending is not None:
+                pending.cancel()
+            raise
+        finally:
+            waited = 0.0
+            if started:
+                self._queued -= 1
+                waited = time.perf_counter() - started
+            otel.end_queue_wait(span, outcome, device=device, queue_depth=depth, wait_seconds=waited, reason=reason)
+            if self.metrics is not None:
+                self.metrics.record_decision(outcome, device=device, reason=reason, wait_seconds=waited)
+
+    def _check_device(self, reservation: Reservation, nbytes: int) -> None:
+        """Trust the device: give the bytes back and refuse when its sampled free memory is too low."""
+        guard, sampler = self.device_guard, self.sampler
+        assert guard is not None and sampler is not None
+        error = guard.refusal(reservation.device, nbytes, sampler.snapshot, sampler.clock())
+        if error is not None:
+            reservation.release()
+            error.retry_after = self.ledger.retry_after(nbytes)
+            raise error
 
     async def _wait(
         self, nbytes: int, spec: RouteSpec, receive: Receive

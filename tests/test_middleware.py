@@ -511,3 +511,37 @@ async def test_long_prompts_are_counted_off_the_event_loop() -> None:
     assert short.status_code == long.status_code == 200
     assert threads[0] == threading.get_ident()
     assert threads[1] != threading.get_ident()
+
+
+async def test_disconnect_keeps_the_bytes_until_the_model_thread_stops() -> None:
+    """A disconnect ends the stream, but the device is busy until the executor's call returns."""
+    from gpu_asgi import DeviceExecutor
+
+    ledger = Ledger(100)
+    executor = DeviceExecutor("cpu")
+    in_thread, finish = threading.Event(), threading.Event()
+
+    def generate() -> bytes:
+        in_thread.set()
+        finish.wait(5)
+        return b"second"
+
+    @gpu_bound()
+    async def stream(request: Request) -> StreamingResponse:
+        async def tokens() -> Any:
+            yield b"first"
+            yield await executor.run(generate)
+
+        return StreamingResponse(tokens())
+
+    scope = http_scope()
+    scope["asgi"]["spec_version"] = "2.3"  # Starlette listens for the disconnect and cancels the stream
+    raw = RawClient(make_app(ledger, stream), scope, [b'{"prompt": "a", "max_new_tokens": 9}']).start()
+    await wait_until(in_thread.is_set)
+    raw.disconnect()
+    await asyncio.sleep(0.05)
+    assert ledger.statistics().reserved_bytes == 10, "released while the model thread still runs"
+    finish.set()
+    await raw.finish()
+    assert ledger.statistics().reserved_bytes == 0
+    executor.shutdown()

@@ -1,0 +1,153 @@
+"""``/health`` and ``/metrics`` as a mountable Starlette router.
+
+``/health`` answers from the ledger's statistics and the sampler's last snapshot: no device call,
+so it is safe for a liveness/readiness probe at any rate. Statuses:
+
+- ``ok`` (200): admitting normally.
+- ``degraded`` (200): still admitting, but a device is above the thermal threshold or the
+  device probe fails or is stale (with a fail-open guard, or none).
+- ``unavailable`` (503): new requests would be refused: the queue is full, the device guard fails
+  closed and has no usable reading, or a device is above ``unavailable_above_celsius``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, Router
+
+from ._device_policy import DeviceGuard, ThermalPolicy
+from ._ledger import BudgetLedger
+from ._metrics import GPUMetrics
+from ._probe import DeviceReading
+from ._sampler import DeviceSampler
+
+OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
+
+
+def health_report(
+    ledger: BudgetLedger,
+    *,
+    sampler: DeviceSampler | None = None,
+    thermal: ThermalPolicy | None = None,
+    device_guard: DeviceGuard | None = None,
+) -> dict[str, Any]:
+    """The ``/health`` body. Call it on the event loop (it reads the ledger)."""
+    stats = ledger.statistics()
+    degraded: list[str] = []
+    unavailable: list[str] = []
+    max_queue = getattr(ledger, "max_queue", None)
+    if max_queue is not None and stats.waiting >= max_queue:
+        unavailable.append(f"the admission queue is full ({stats.waiting} waiting)")
+    snapshot = sampler.snapshot if sampler is not None else None
+    probe: dict[str, Any] | None = None
+    if snapshot is not None and sampler is not None:
+        now = sampler.clock()
+        max_age = device_guard.max_age if device_guard is not None else 3 * sampler.interval
+        usable = snapshot.fresh(now, max_age)
+        age = snapshot.age(now)
+        probe = {
+            "kind": snapshot.probe,
+            "ok": usable,
+            "age_seconds": None if age is None else round(age, 3),
+            "error": snapshot.error,
+        }
+        if not usable:
+            why = snapshot.error or f"the last reading is {age:.1f} s old"
+            (unavailable if device_guard is not None and device_guard.fails_closed else degraded).append(
+                f"the device probe has no usable reading: {why}"
+            )
+        if thermal is not None and usable:
+            for name, reading in snapshot.readings.items():
+                celsius = reading.temperature_celsius
+                if celsius is None:
+                    continue
+                if thermal.unavailable_above_celsius is not None and celsius > thermal.unavailable_above_celsius:
+                    unavailable.append(f"{name} is at {celsius:g} °C, above {thermal.unavailable_above_celsius:g}")
+                elif celsius > thermal.degraded_above_celsius:
+                    degraded.append(f"{name} is at {celsius:g} °C, above {thermal.degraded_above_celsius:g}")
+    devices = []
+    for device in stats.devices:
+        probed = snapshot.readings.get(device.name) if snapshot is not None else None
+        devices.append(
+            {
+                "name": device.name,
+                "capacity_bytes": device.capacity_bytes,
+                "reserved_bytes": device.reserved_bytes,
+                "free_bytes": device.free_bytes,
+                "in_flight": device.in_flight,
+                "probe": None if probed is None else _reading(probed),
+            }
+        )
+    status = UNAVAILABLE if unavailable else DEGRADED if degraded else OK
+    return {
+        "status": status,
+        "reasons": unavailable + degraded,
+        "waiting": stats.waiting,
+        "waiting_bytes": stats.waiting_bytes,
+        "in_flight": stats.in_flight,
+        "admitted_total": stats.admitted_total,
+        "rejected_total": dict(stats.rejected_total),
+        "devices": devices,
+        "probe": probe,
+    }
+
+
+def _reading(reading: DeviceReading) -> dict[str, Any]:
+    return {
+        "memory_total_bytes": reading.memory_total_bytes,
+        "memory_used_bytes": reading.memory_used_bytes,
+        "memory_free_bytes": reading.memory_free_bytes,
+        "reclaimable_bytes": reading.reclaimable_bytes,
+        "temperature_celsius": reading.temperature_celsius,
+        "utilization_ratio": reading.utilization_ratio,
+    }
+
+
+def health_router(
+    ledger: BudgetLedger,
+    *,
+    sampler: DeviceSampler | None = None,
+    thermal: ThermalPolicy | None = None,
+    device_guard: DeviceGuard | None = None,
+    metrics: GPUMetrics | None = None,
+    health_path: str = "/health",
+    metrics_path: str = "/metrics",
+) -> Router:
+    """A router with ``GET health_path`` and, when ``metrics`` is given, ``GET metrics_path``.
+
+    Mount it (``app.mount("/ops", health_router(...))``) or add its routes at the top level
+    (``app.router.routes.extend(health_router(...).routes)``). Pass the same ledger, sampler,
+    thermal policy and guard as to the middleware.
+    """
+
+    async def health(request: Request) -> Response:
+        if sampler is not None:
+            sampler.ensure_started()
+        if metrics is not None:
+            metrics.ensure_refreshing()
+        body = health_report(ledger, sampler=sampler, thermal=thermal, device_guard=device_guard)
+        status = 503 if body["status"] == UNAVAILABLE else 200
+        return JSONResponse(body, status_code=status, headers={"cache-control": "no-store"})
+
+    routes = [Route(health_path, health, methods=["GET"], name="gpu_asgi_health")]
+    if metrics is not None:
+
+        async def metrics_endpoint(request: Request) -> Response:
+            accept = request.headers.get("accept")
+            source = sampler if sampler is not None else metrics.sampler
+            if source is not None:
+                source.ensure_started()
+            if metrics.multiprocess:
+                metrics.ensure_refreshing()
+                metrics.refresh()  # this worker's state is current; the others refresh on their own
+                body, content_type = await asyncio.to_thread(metrics.render, accept)
+            else:
+                body, content_type = metrics.render(accept)  # reads the ledger: stays on the loop
+            return Response(body, media_type=content_type, headers={"cache-control": "no-store"})
+
+        routes.append(Route(metrics_path, metrics_endpoint, methods=["GET"], name="gpu_asgi_metrics"))
+    return Router(routes=routes)
