@@ -21,7 +21,7 @@ from . import _telemetry as otel
 from ._body import check_headers, parse_request, read_body
 from ._deadlines import Deadlines
 from ._device_policy import CLAMPED_HEADER, DeviceGuard, ThermalPolicy
-from ._errors import GPUAdmissionError, QueueTimeout
+from ._errors import DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
 from ._estimate import Estimator
 from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ._metrics import GPUMetrics
 
 _UNRESOLVED = object()
+_OVERLOAD = (QueueFull, QueueTimeout, DeviceMemoryLow)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT = 30.0
 #: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
@@ -211,7 +212,8 @@ class GPUAdmissionMiddleware:
                 pending.cancel()
 
     async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError) -> None:
-        status = self.reject_status if error.status == 503 else error.status
+        # 429 (when configured) is for overload only; a ledger or probe outage stays a 503.
+        status = self.reject_status if isinstance(error, _OVERLOAD) else error.status
         await send_problem(send, error, status=status, instance=scope.get("path", ""))
 
     async def _reserve(

@@ -545,3 +545,20 @@ async def test_disconnect_keeps_the_bytes_until_the_model_thread_stops() -> None
     await raw.finish()
     assert ledger.statistics().reserved_bytes == 0
     executor.shutdown()
+
+
+async def test_429_is_for_overload_only_an_outage_stays_503() -> None:
+    from gpu_asgi import LedgerUnavailable
+
+    class DownLedger(Ledger):
+        def try_reserve(self, nbytes: int, *, devices: Any = None) -> Reservation | None:
+            return None
+
+        async def reserve(self, nbytes: int, **options: Any) -> Reservation:
+            raise LedgerUnavailable("Redis did not answer.", retry_after=2)
+
+    async with client(make_app(DownLedger(1000), echo, reject_status=429)) as http:
+        response = await http.post("/generate", json={"prompt": "a", "max_new_tokens": 5})
+    assert response.status_code == 503
+    assert response.headers["x-gpu-admission-reason"] == "ledger-unavailable"
+    assert response.headers["retry-after"] == "2"

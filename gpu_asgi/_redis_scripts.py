@@ -1,0 +1,152 @@
+"""Typed, time-bounded calls of the shared ledger's Lua scripts, and the snapshot they return."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from . import _redis_lua as lua
+from ._ledger import MAX_RETRY_AFTER, DeviceStatistics, LedgerStatistics
+
+#: Queue scores are ``-priority × 2^40 + sequence``: |priority| stays below 2^12 to keep them exact.
+PRIORITY_LIMIT = 1 << 12
+_KEYS = ("expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot")
+
+
+class RedisDown(Exception):
+    """Redis could not be reached, or did not answer within the timeout."""
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, int]:
+    return {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """One heartbeat's answer: the ids Redis no longer knows, and the state across every worker."""
+
+    missing: tuple[str, ...] = ()
+    reserved: dict[str, int] = field(default_factory=dict)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    waiting: int = 0
+    waiting_bytes: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    released_bytes: int = 0
+    released_span: float = 0.0
+
+    @property
+    def release_rate(self) -> float:
+        """Bytes per second given back over the rate window, as the in-process ledger computes it."""
+        return self.released_bytes / max(self.released_span, 1.0)
+
+    def statistics(self, capacities: Mapping[str, int], local_rejections: Mapping[str, int]) -> LedgerStatistics:
+        devices = tuple(
+            DeviceStatistics(name, capacity, self.reserved.get(name, 0), self.in_flight.get(name, 0))
+            for name, capacity in capacities.items()
+        )
+        rejected = {key.removeprefix("rejected:"): n for key, n in self.counts.items() if key.startswith("rejected:")}
+        for reason, n in local_rejections.items():
+            rejected[reason] = rejected.get(reason, 0) + n
+        admitted = self.counts.get("admitted", 0)
+        return LedgerStatistics(devices, self.waiting, self.waiting_bytes, admitted, rejected, self.release_rate)
+
+    def retry_after(self, capacities: Mapping[str, int], nbytes: int, max_wait: float) -> float:
+        if self.released_bytes <= 0:
+            return max_wait
+        free = sum(capacity - self.reserved.get(name, 0) for name, capacity in capacities.items())
+        backlog = max(0, self.waiting_bytes + nbytes - free)
+        return min(MAX_RETRY_AFTER, max(1.0, backlog / self.release_rate))
+
+
+class LedgerScripts:
+    """The scripts bound to one namespace's keys; every call ends within ``timeout`` seconds."""
+
+    def __init__(
+        self,
+        client: Redis,
+        namespace: str,
+        capacities: Mapping[str, int],
+        *,
+        lease_ttl: float,
+        heartbeat: float,
+        max_bypass: int,
+        max_queue: int,
+        rate_window: float,
+        timeout: float,
+    ) -> None:
+        if "{" in namespace or "}" in namespace:
+            raise ValueError("the namespace may not contain braces (they are Redis Cluster hash tags)")
+        tag = "{" + namespace + "}"
+        self.keys = [f"{tag}:{name}" for name in _KEYS]
+        self.channel = f"{tag}:wake"
+        self.timeout = timeout
+        self.client = client
+        #: The dataset this process last saw (see _redis_lua: data loss); '' until the first heartbeat.
+        self.boot = ""
+        config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
+        config |= {"chan": self.channel, "window": round(rate_window), "warm": round(1.5 * heartbeat * 1000)}
+        self._config = json.dumps(config)
+        self._all_devices = json.dumps(list(capacities))
+        bodies = {"reserve": lua.RESERVE, "claim": lua.CLAIM, "leave": lua.LEAVE, "release": lua.RELEASE}
+        bodies |= {"restore": lua.RESTORE, "heartbeat": lua.HEARTBEAT}
+        self._scripts = {name: client.register_script(lua.PRELUDE + body) for name, body in bodies.items()}
+
+    async def _run(self, name: str, *args: str | int) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self._scripts[name](keys=self.keys, args=[self._config, self.boot, *args])
+        except (RedisError, OSError) as exc:  # OSError covers TimeoutError, ours and the socket's
+            raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+
+    async def reserve(self, id: str, nbytes: int, devices: Sequence[str] | None, priority: int) -> tuple[str, str]:
+        """``("granted", device)``, ``("queued", position)`` or ``("full", waiting)``."""
+        names = self._all_devices if devices is None else json.dumps(list(devices))
+        state, detail = await self._run("reserve", id, nbytes, names, priority)
+        return text(state), text(detail)
+
+    async def claim(self, id: str) -> tuple[str, str]:
+        """``("granted", device)``, ``("waiting", _)``, or ``("gone", _)`` when Redis lost the ticket."""
+        state, detail = await self._run("claim", id)
+        return text(state), text(detail)
+
+    async def leave(self, id: str, reason: str = "") -> bool:
+        """Drop ``id``'s ticket and any lease granted to it; True if a lease was given back."""
+        return bool(await self._run("leave", id, reason))
+
+    async def release(self, id: str, keep: int, finished: bool) -> None:
+        await self._run("release", id, keep, "1" if finished else "0")
+
+    async def restore(self, id: str, nbytes: int, device: str) -> None:
+        await self._run("restore", id, nbytes, device)
+
+    async def heartbeat(self, ids: Sequence[str]) -> Beat:
+        reply = await self._run("heartbeat", *ids)
+        missing, reserved, in_flight, waiting, waiting_bytes, counts, released, span, boot = reply
+        self.boot = text(boot)
+        return Beat(
+            missing=tuple(text(id) for id in missing),
+            reserved=_pairs(reserved),
+            in_flight=_pairs(in_flight),
+            waiting=int(waiting),
+            waiting_bytes=int(waiting_bytes),
+            counts=_pairs(counts),
+            released_bytes=int(released),
+            released_span=int(span) / 1000,
+        )
+
+    async def count_rejection(self, reason: str) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.client.hincrby(self.keys[6], f"rejected:{reason}", 1)
+        except (RedisError, OSError) as exc:
+            raise RedisDown(str(exc) or type(exc).__name__) from exc

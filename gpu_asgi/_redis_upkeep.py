@@ -1,0 +1,199 @@
+"""What one process owes the shared ledger, done in the background.
+
+- A heartbeat renews this process's leases and tickets (a crashed process's expire instead) and
+  brings back the shared snapshot behind ``statistics()``.
+- Leases Redis lost while they are still held here (a restart without persistence, an outage
+  longer than the TTL) are put back, so the shared budget counts bytes really in use.
+- Wake-ups: one pub/sub subscription per process hands each grant to its waiter.
+- Availability: a failed call marks Redis down until a call succeeds; meanwhile admission does
+  not wait on it (``skipping``) and the heartbeat keeps probing.
+- Releases and queue exits are tracked tasks, retried briefly; the lease TTL backs them up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from ._ledger import Reservation
+from ._redis_scripts import Beat, LedgerScripts, RedisDown, text
+
+#: Tries for a release or a queue exit that cannot reach Redis; the lease TTL is the backstop.
+RETRIES = 3
+
+logger = logging.getLogger("gpu_asgi.redis_ledger")
+
+
+class Upkeep:
+    def __init__(self, scripts: LedgerScripts, client: Redis, *, name: str, heartbeat: float, notify: bool) -> None:
+        self.scripts = scripts
+        self.client = client
+        self.name = name
+        self.heartbeat = heartbeat
+        self.notify = notify
+        self.held: dict[str, Reservation] = {}
+        self.waiters: dict[str, asyncio.Event] = {}
+        self.grants: dict[str, str] = {}  # waiter id -> device, from wake-ups
+        self.restored: set[str] = set()  # local-fallback reservations put into Redis since
+        self.beat = Beat()
+        self.down: str | None = None  # why Redis is unavailable; None while it answers
+        self.closed = False
+        self._retry_at = 0.0
+        self._restoring: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._owner = ""
+        self._ids = itertools.count(1)
+
+    def start(self) -> None:
+        if self.closed:
+            raise RuntimeError("this RedisLedger is closed")
+        if not self._owner:  # chosen on first use, in the process that uses it (after any fork)
+            self._owner = f"{socket.gethostname().replace(' ', '_')}:{os.getpid()}:{secrets.token_hex(3)}"
+        if not self._loops or self._loops[0].done():
+            loop = asyncio.get_running_loop()
+            self._loops = [loop.create_task(self._heartbeat_forever(), name="gpu_asgi-redis-heartbeat")]
+            if self.notify:
+                self._loops.append(loop.create_task(self._listen_forever(), name="gpu_asgi-redis-wake"))
+
+    def new_id(self) -> str:
+        """Unique across processes and hosts: ``host:pid:random:n``."""
+        return f"{self._owner}:{next(self._ids)}"
+
+    # -- availability -----------------------------------------------------------------
+
+    def skipping(self) -> bool:
+        """True while Redis was just seen down: admission goes straight to the fallback."""
+        return self.down is not None and time.monotonic() < self._retry_at
+
+    def went_down(self, exc: Exception) -> None:
+        if self.down is None:
+            logger.warning("Redis ledger %r unavailable: %s", self.name, exc)
+        self.down = str(exc)
+        self._retry_at = time.monotonic() + self.heartbeat
+
+    def came_up(self) -> None:
+        if self.down is not None:
+            logger.warning("Redis ledger %r available again", self.name)
+            self.down = None
+
+    # -- heartbeat and restores -------------------------------------------------------
+
+    async def refresh(self) -> None:
+        try:
+            beat = await self.scripts.heartbeat([*self.held, *self.waiters])
+        except RedisDown as exc:
+            self.went_down(exc)
+            return
+        self.came_up()
+        self.beat = beat
+        for rid in beat.missing:
+            reservation = self.held.get(rid)
+            if reservation is None or rid in self._restoring:
+                continue
+            if (task := self.spawn(self._restore(reservation))) is not None:
+                self._restoring[rid] = task
+
+    async def _restore(self, reservation: Reservation) -> None:
+        try:
+            if not reservation.released:
+                self.restored.add(reservation.id)
+                await self.scripts.restore(reservation.id, reservation.nbytes, reservation.device)
+        except RedisDown:
+            pass  # the next heartbeat finds it missing again
+        finally:
+            self._restoring.pop(reservation.id, None)
+
+    async def _heartbeat_forever(self) -> None:
+        while not self.closed:
+            await self.refresh()
+            await asyncio.sleep(self.heartbeat)
+
+    async def _listen_forever(self) -> None:
+        while not self.closed:
+            pubsub = self.client.pubsub()
+            try:
+                await pubsub.subscribe(self.scripts.channel)
+                while not self.closed:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    for rid, device in json.loads(text(message["data"])).items() if message else ():
+                        if (wake := self.waiters.get(rid)) is not None:
+                            self.grants[rid] = device
+                            wake.set()
+            except (RedisError, OSError, ValueError) as exc:  # Redis away: waiters poll meanwhile
+                logger.debug("wake-up channel lost: %r", exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(self.heartbeat)
+
+    # -- tracked background calls -------------------------------------------------------
+
+    def release(self, rid: str, keep: int, finished: bool) -> None:
+        self.spawn(self._release(rid, keep, finished))
+
+    async def _release(self, rid: str, keep: int, finished: bool) -> None:
+        restoring = self._restoring.get(rid)
+        if restoring is not None:  # a restore sent before this release must land first
+            await asyncio.wait([restoring])
+        await self.retrying(self.scripts.release, rid, keep, finished)
+
+    def leave(self, rid: str, reason: str) -> None:
+        """Leave the queue, giving back a lease granted as the waiter gave up."""
+        self.spawn(self.retrying(self.scripts.leave, rid, reason))
+
+    async def retrying(self, call: Callable[..., Awaitable[Any]], *args: Any, tries: int = RETRIES) -> None:
+        for attempt in range(tries):
+            try:
+                await call(*args)
+                return
+            except RedisDown as exc:
+                if attempt == tries - 1:
+                    logger.warning(
+                        "%s%s failed %d times (%s); the lease TTL covers it", call.__name__, args, tries, exc
+                    )
+                else:
+                    await asyncio.sleep(0.05 * 4**attempt)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:  # released with no loop running (shutdown): the lease TTL covers it
+            coro.close()
+            return None
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def aclose(self, drain_timeout: float) -> None:
+        self.closed = True
+        while not all(task.done() for task in self._loops):
+            for task in self._loops:  # again and again: see cancels()
+                task.cancel()
+            await asyncio.wait(self._loops, timeout=0.1)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=drain_timeout)
+        for task in set(self._tasks):
+            task.cancel()
+
+
+def cancels() -> int:
+    """Cancellations requested of this task and not yet handled.
+
+    On Python 3.11, ``asyncio.wait_for`` (which redis-py uses to send commands) drops a
+    cancellation that lands just as the command completes; a rising count shows it happened.
+    """
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0

@@ -1,0 +1,319 @@
+"""One VRAM budget shared by every worker process and host, kept in Redis.
+
+``uvicorn --workers N`` runs N event loops; an in-process :class:`~gpu_asgi.Ledger` in each sees
+only its own requests, so together they over-commit the GPU. :class:`RedisLedger` keeps the same
+interface and semantics with one budget per device across all of them:
+
+- reserve and release are atomic Lua scripts on the server (``_redis_lua``);
+- one global queue, FIFO by priority, with the in-process ledger's bounded bypass, so no worker's
+  waiters starve another's; waiters are woken by pub/sub, with a poll as the fallback;
+- each reservation is a lease renewed by a heartbeat (``_redis_upkeep``): a crashed worker's
+  bytes come back within ``lease_ttl``; leases Redis lost while still held are put back;
+- Redis unreachable or slower than ``redis_timeout``: :class:`~gpu_asgi.LedgerUnavailable` (503)
+  by default, or an in-process ledger with ``local_share`` of each budget; Redis back: used again
+  without a restart.
+
+``pip install 'gpu_asgi[redis]'``; see docs/deployment.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Literal, Self
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from ._errors import LedgerUnavailable, NeverFits, QueueFull, QueueTimeout
+from ._ledger import (
+    DEFAULT_DEVICE,
+    DEFAULT_MAX_BYPASS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_WAIT,
+    RATE_WINDOW,
+    Ledger,
+    LedgerStatistics,
+    Reservation,
+)
+from ._redis_scripts import PRIORITY_LIMIT, Beat, LedgerScripts, RedisDown
+from ._redis_upkeep import RETRIES, Upkeep, cancels
+
+__all__ = ["RedisLedger"]
+
+DEFAULT_NAMESPACE = "gpu_asgi"
+DEFAULT_LEASE_TTL = 10.0
+DEFAULT_POLL_INTERVAL = 0.5
+DEFAULT_REDIS_TIMEOUT = 1.0
+
+
+class RedisLedger:
+    """Byte budgets shared through Redis by every process that uses the same ``namespace``.
+
+    ``redis`` is a URL (``redis://host:6379/0``, ``rediss://``, ``unix://``) or a
+    ``redis.asyncio.Redis`` client. One ledger per process and event loop; call
+    ``await ledger.aclose()`` on shutdown (or use ``async with``).
+    """
+
+    def __init__(
+        self,
+        redis: str | Redis,
+        capacity: int | Mapping[str, int],
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        heartbeat: float | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_wait: float = DEFAULT_MAX_WAIT,
+        max_bypass: int = DEFAULT_MAX_BYPASS,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        notify: bool = True,
+        redis_timeout: float = DEFAULT_REDIS_TIMEOUT,
+        on_unavailable: Literal["fail-closed", "local"] = "fail-closed",
+        local_share: float | None = None,
+    ) -> None:
+        capacities = {DEFAULT_DEVICE: capacity} if isinstance(capacity, int) else dict(capacity)
+        if not capacities or min(capacities.values()) <= 0:
+            raise ValueError("a ledger needs at least one device, each with a positive byte capacity")
+        heartbeat = lease_ttl / 3 if heartbeat is None else heartbeat
+        if not 0 < heartbeat < lease_ttl:
+            raise ValueError(
+                "heartbeat must be positive and shorter than lease_ttl (a third leaves two beats of slack)"
+            )
+        if on_unavailable not in ("fail-closed", "local"):
+            raise ValueError("on_unavailable must be 'fail-closed' or 'local'")
+        if on_unavailable == "local" and not (local_share is not None and 0 < local_share <= 1):
+            raise ValueError(
+                "on_unavailable='local' needs local_share in (0, 1]: the part of each budget one process may "
+                "use alone, at most 1 / the number of processes sharing the GPU"
+            )
+        self._capacities = capacities
+        self.namespace = namespace
+        self.lease_ttl = lease_ttl
+        self.heartbeat = heartbeat
+        self.max_queue = max_queue
+        self.max_wait = max_wait
+        self.max_bypass = max_bypass
+        self.poll_interval = min(poll_interval, heartbeat)  # waiters also keep their tickets alive
+        self.redis_timeout = redis_timeout
+        self.on_unavailable = on_unavailable
+        self.local_share = local_share
+        self._owns_client = isinstance(redis, str)
+        if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
+            redis = Redis.from_url(
+                redis, retry=Retry(NoBackoff(), 1), socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout
+            )
+        self._client = redis
+        self._scripts = LedgerScripts(
+            redis,
+            namespace,
+            capacities,
+            lease_ttl=lease_ttl,
+            heartbeat=heartbeat,
+            max_bypass=max_bypass,
+            max_queue=max_queue,
+            rate_window=RATE_WINDOW,
+            timeout=redis_timeout,
+        )
+        self._upkeep = Upkeep(self._scripts, redis, name=namespace, heartbeat=heartbeat, notify=notify)
+        self._local: Ledger | None = None
+        if on_unavailable == "local" and local_share is not None:
+            share = {name: max(1, int(nbytes * local_share)) for name, nbytes in capacities.items()}
+            self._local = Ledger(share, max_queue=max_queue, max_wait=max_wait, max_bypass=max_bypass)
+        self._inner: dict[str, Reservation] = {}  # the local-ledger reservation behind a fallback one
+        self._unavailable_total = 0  # rejections that never reached Redis, so counted here
+        self._statistics: tuple[Beat, int, LedgerStatistics] | None = None
+
+    def __repr__(self) -> str:
+        budgets = ", ".join(f"{name}={nbytes}" for name, nbytes in self._capacities.items())
+        return (
+            f"RedisLedger({budgets}, namespace={self.namespace!r}, lease_ttl={self.lease_ttl}, "
+            f"max_queue={self.max_queue}, max_wait={self.max_wait}, max_bypass={self.max_bypass}, "
+            f"on_unavailable={self.on_unavailable!r})"
+        )
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(self._capacities)
+
+    def capacity(self, device: str = DEFAULT_DEVICE) -> int:
+        return self._capacities[device]
+
+    @property
+    def available(self) -> bool:
+        """False from a failed Redis call until the next one that succeeds."""
+        return self._upkeep.down is None
+
+    # -- admission ----------------------------------------------------------------------
+
+    def try_reserve(self, nbytes: int, *, devices: Sequence[str] | None = None) -> Reservation | None:
+        """Always None: reserving needs a round trip to Redis, so callers ``await reserve()``."""
+        return None
+
+    async def reserve(
+        self,
+        nbytes: int,
+        *,
+        devices: Sequence[str] | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> Reservation:
+        """Reserve ``nbytes`` on one of ``devices`` from the shared budget, queueing if needed.
+
+        As :meth:`Ledger.reserve <gpu_asgi.Ledger.reserve>`, plus :class:`~gpu_asgi.LedgerUnavailable`
+        when Redis fails and ``on_unavailable`` is ``"fail-closed"``. Never waits past ``timeout``
+        (default ``max_wait``), whatever Redis does.
+        """
+        names = self._allowed(devices, nbytes)
+        if not -PRIORITY_LIMIT < priority < PRIORITY_LIMIT:
+            raise ValueError(f"priority must be within ±{PRIORITY_LIMIT - 1}")
+        upkeep = self._upkeep
+        upkeep.start()
+        loop = asyncio.get_running_loop()
+        wait = self.max_wait if timeout is None else timeout
+        start, deadline, cancelled = loop.time(), loop.time() + wait, cancels()
+        if upkeep.skipping():
+            return await self._fallback(nbytes, names, priority, deadline)
+        rid = upkeep.new_id()
+        wake = upkeep.waiters[rid] = asyncio.Event()
+        settled, reason = False, ""
+        try:
+            async with asyncio.timeout_at(deadline):
+                state, detail = await self._scripts.reserve(rid, nbytes, devices and names, priority)
+                upkeep.came_up()
+                while state != "granted":
+                    if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
+                        raise asyncio.CancelledError
+                    if state == "full":
+                        settled = True  # no ticket was taken
+                        message = f"{detail} requests are already waiting for GPU memory."
+                        raise QueueFull(message, retry_after=self.retry_after(nbytes))
+                    if state == "gone":  # Redis lost the queue (a restart): join it again
+                        state, detail = await self._scripts.reserve(rid, nbytes, devices and names, priority)
+                        continue
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.poll_interval):
+                            await wake.wait()
+                    wake.clear()
+                    granted = upkeep.grants.pop(rid, None)  # the wake-up names the device: no round trip
+                    state, detail = ("granted", granted) if granted else await self._scripts.claim(rid)
+            settled = True
+            return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start))
+        except TimeoutError:
+            reason = QueueTimeout.reason
+            raise QueueTimeout(
+                f"No GPU memory became free for {nbytes} bytes within {wait:g} s.", retry_after=self.retry_after(nbytes)
+            ) from None
+        except RedisDown as exc:
+            upkeep.went_down(exc)
+        finally:
+            del upkeep.waiters[rid]
+            upkeep.grants.pop(rid, None)
+            if not settled:  # leave the queue, and give back a lease granted as we gave up
+                upkeep.leave(rid, reason)
+        return await self._fallback(nbytes, names, priority, deadline)
+
+    async def _fallback(self, nbytes: int, names: tuple[str, ...], priority: int, deadline: float) -> Reservation:
+        local = self._local
+        if local is None:
+            self._unavailable_total += 1
+            raise LedgerUnavailable(
+                f"The shared GPU ledger (Redis) is unavailable ({self._upkeep.down}); admission fails closed.",
+                retry_after=self.heartbeat,
+            )
+        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+        try:
+            inner = await local.reserve(nbytes, devices=names, priority=priority, timeout=remaining)
+        except NeverFits as exc:
+            self._unavailable_total += 1
+            raise LedgerUnavailable(
+                f"The shared GPU ledger (Redis) is unavailable and {nbytes} bytes exceed this process's "
+                f"local share ({exc.extensions['budget_bytes']} bytes).",
+                retry_after=self.heartbeat,
+            ) from None
+        rid = self._upkeep.new_id()
+        self._inner[rid] = inner
+        return self._hold(Reservation(self, rid, inner.device, nbytes, inner.waited))
+
+    def _allowed(self, devices: Sequence[str] | None, nbytes: int) -> tuple[str, ...]:
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        names = self.devices if devices is None else tuple(devices)
+        unknown = [name for name in names if name not in self._capacities]
+        if unknown or not names:
+            raise ValueError(f"unknown device {unknown[0] if unknown else None!r}; the ledger has {self.devices}")
+        largest = max(self._capacities[name] for name in names)
+        if nbytes > largest:
+            self._upkeep.spawn(self._upkeep.retrying(self._scripts.count_rejection, NeverFits.reason, tries=1))
+            raise NeverFits(
+                f"The request needs {nbytes} bytes of GPU memory; the largest budget is {largest} bytes.",
+                required_bytes=nbytes,
+                budget_bytes=largest,
+            )
+        return names
+
+    def _hold(self, reservation: Reservation) -> Reservation:
+        self._upkeep.held[reservation.id] = reservation
+        return reservation
+
+    def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        rid, upkeep = reservation.id, self._upkeep
+        inner = self._inner.pop(rid, None) if finished else self._inner.get(rid)
+        if inner is not None:
+            inner.release() if finished else inner.shrink(reservation.nbytes)
+        if finished:
+            upkeep.held.pop(rid, None)
+        if inner is None or rid in upkeep.restored:  # it is (also) in Redis
+            if finished:
+                upkeep.restored.discard(rid)
+            upkeep.release(rid, reservation.nbytes, finished)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def refresh_statistics(self) -> LedgerStatistics:
+        """Renew this process's leases and tickets now and return a fresh shared snapshot.
+
+        The heartbeat does this every ``heartbeat`` seconds. While Redis is unavailable the last
+        snapshot stays (see :attr:`available`).
+        """
+        self._upkeep.start()
+        await self._upkeep.refresh()
+        return self.statistics()
+
+    async def aclose(self) -> None:
+        """Stop the heartbeat, let pending releases land (bounded), close a client made from a URL."""
+        await self._upkeep.aclose(drain_timeout=self.redis_timeout * RETRIES + 1)
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> Self:
+        self._upkeep.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- rates and statistics -------------------------------------------------------------
+
+    def retry_after(self, nbytes: int = 0) -> float:
+        """As the in-process ledger's, from the shared release rate of the last snapshot."""
+        return self._upkeep.beat.retry_after(self._capacities, nbytes, self.max_wait)
+
+    def statistics(self) -> LedgerStatistics:
+        """Every worker's reservations and queue, as of the last heartbeat (at most ``heartbeat`` s old).
+
+        While Redis is unavailable and ``on_unavailable="local"``, the local fallback ledger's.
+        """
+        if self._local is not None and self._upkeep.down is not None:
+            return self._local.statistics()
+        beat, cached = self._upkeep.beat, self._statistics
+        if cached is None or cached[0] is not beat or cached[1] != self._unavailable_total:
+            local_rejections = {LedgerUnavailable.reason: self._unavailable_total} if self._unavailable_total else {}
+            cached = self._statistics = (
+                beat,
+                self._unavailable_total,
+                beat.statistics(self._capacities, local_rejections),
+            )
+        return cached[2]  # the middleware asks once per request: built once per heartbeat

@@ -1,0 +1,159 @@
+"""The Redis ledger when Redis fails: down, restarted empty, stalled. Each test owns its server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from gpu_asgi import GPUAdmissionMiddleware, LedgerUnavailable, LinearEstimator, QueueTimeout, gpu_bound
+from gpu_asgi.redis_ledger import RedisLedger
+
+from . import _redis
+from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
+
+pytestmark = requires_redis_server
+own_redis_server, namespace = _redis.own_redis_server, _redis.namespace  # fixtures
+
+
+def admitting_app(ledger: RedisLedger) -> Starlette:
+    @gpu_bound()
+    async def generate(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("generated")
+
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=LinearEstimator(bytes_per_token=1))
+    return app
+
+
+async def stall(server: RedisServer, seconds: float) -> asyncio.Future[object]:
+    """Block the whole server for ``seconds`` (``DEBUG SLEEP``): a Redis that answers too late."""
+    client = server.client()
+    stalled = asyncio.ensure_future(asyncio.to_thread(client.execute_command, "DEBUG", "SLEEP", str(seconds)))
+    await asyncio.sleep(0.1)  # the command is on the server
+    stalled.add_done_callback(lambda _: client.close())
+    return stalled
+
+
+async def test_redis_down_fails_closed_with_503_then_recovers_without_a_restart(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    ledger = RedisLedger(own_redis_server.url, 1000, namespace=namespace, lease_ttl=1.5, redis_timeout=0.5)
+    payload = {"prompt": "hello", "max_new_tokens": 10}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=admitting_app(ledger)), base_url="http://t"
+    ) as client:
+        assert (await client.post("/generate", json=payload)).status_code == 200
+        own_redis_server.stop()
+        started = time.monotonic()
+        refused = await client.post("/generate", json=payload)
+        assert time.monotonic() - started < 2.0
+        assert refused.status_code == 503
+        assert refused.headers["x-gpu-admission-reason"] == "ledger-unavailable"
+        assert int(refused.headers["retry-after"]) >= 1
+        problem = refused.json()
+        assert problem["type"] == "urn:gpu-asgi:problem:ledger-unavailable"
+        assert "unavailable" in problem["detail"] and "fails closed" in problem["detail"]
+        assert not ledger.available
+        assert ledger.statistics().rejected_total.get("ledger-unavailable") == 1
+
+        own_redis_server.start()  # same port, empty
+        await eventually(lambda: ledger.available, timeout=5)  # the heartbeat reconnects
+        assert (await client.post("/generate", json=payload)).status_code == 200
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
+    await ledger.aclose()
+
+
+async def test_a_redis_restart_loses_no_bytes_still_held(own_redis_server: RedisServer, namespace: str) -> None:
+    holder = RedisLedger(own_redis_server.url, 100, namespace=namespace, lease_ttl=1.5)
+    other = RedisLedger(own_redis_server.url, 100, namespace=namespace, lease_ttl=1.5)
+    held = await holder.reserve(40)
+    await other.refresh_statistics()  # both workers have seen this Redis
+    own_redis_server.stop()
+    own_redis_server.start()  # no persistence: Redis forgot the lease, the GPU did not
+    assert own_redis_server.ledger_state(namespace) == EMPTY
+    # The other worker asks for everything at once: grants pause until the held lease is back.
+    everything = asyncio.ensure_future(other.reserve(100))
+    await eventually(lambda: own_redis_server.ledger_state(namespace)["reserved"] == 40)
+    await asyncio.sleep(1.0)  # past the pause: 40 + 100 > 100, still waiting
+    assert not everything.done()
+    assert own_redis_server.ledger_state(namespace) == {**EMPTY, "reserved": 40, "leases": 1, "tickets": 1, "queued": 1}
+    held.release()
+    (await asyncio.wait_for(everything, 5)).release()
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
+    await holder.aclose()
+    await other.aclose()
+
+
+async def test_local_fallback_admits_within_its_share_and_hands_over_on_recovery(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    ledger = RedisLedger(
+        own_redis_server.url, 100, namespace=namespace, lease_ttl=1.5, redis_timeout=0.5,
+        on_unavailable="local", local_share=0.5,
+    )  # fmt: skip
+    own_redis_server.stop()
+    local = await ledger.reserve(30)
+    assert not ledger.available
+    assert ledger.statistics().capacity_bytes == 50  # the local share is what admits now
+    with pytest.raises(LedgerUnavailable, match="local share"):
+        await ledger.reserve(60)  # fits the shared budget, never the local share
+    with pytest.raises(QueueTimeout):
+        await ledger.reserve(30, timeout=0.2)  # 30 + 30 > 50
+    local_too = await ledger.reserve(20)
+
+    own_redis_server.start()
+    await eventually(lambda: ledger.available, timeout=5)
+    # What was admitted locally is still on the GPU: it is put into the shared budget.
+    await eventually(lambda: own_redis_server.ledger_state(namespace)["reserved"] == 50)
+    shared = await ledger.reserve(50)
+    assert own_redis_server.ledger_state(namespace)["reserved"] == 100
+    assert ledger.statistics().capacity_bytes == 100
+    for reservation in (local, local_too, shared):
+        reservation.release()
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
+    await ledger.aclose()
+
+
+async def test_a_slow_redis_fails_admission_cleanly_within_the_redis_timeout(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    ledger = RedisLedger(own_redis_server.url, 100, namespace=namespace, lease_ttl=1.5, redis_timeout=0.3)
+    holder = await ledger.reserve(100)
+    waiter = asyncio.ensure_future(ledger.reserve(50))
+    await eventually(lambda: own_redis_server.ledger_state(namespace)["queued"] == 1)
+    stalled = await stall(own_redis_server, 2.0)
+    started = time.monotonic()
+    with pytest.raises(LedgerUnavailable):
+        await ledger.reserve(10)
+    with pytest.raises(LedgerUnavailable):
+        await asyncio.wait_for(waiter, 2.0)  # a queued request fails at its next poll
+    assert time.monotonic() - started < 1.9  # before Redis answers again
+    await stalled
+    await eventually(lambda: ledger.available, timeout=5)
+    holder.release()
+    # The queued request's exit may have given up during the stall; its ticket's TTL covers it.
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY, timeout=10)
+    (await ledger.reserve(100)).release()
+    await ledger.aclose()
+
+
+async def test_max_wait_bounds_admission_even_when_redis_is_slower(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    ledger = RedisLedger(own_redis_server.url, 100, namespace=namespace, lease_ttl=3.0, redis_timeout=10.0)
+    await ledger.refresh_statistics()  # connected before the stall
+    stalled = await stall(own_redis_server, 2.0)
+    started = time.monotonic()
+    with pytest.raises(QueueTimeout):
+        await ledger.reserve(10, timeout=0.3)
+    assert time.monotonic() - started < 1.5
+    await stalled
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY, timeout=10)
+    await ledger.aclose()

@@ -1,0 +1,301 @@
+"""The Redis ledger against a real redis-server: the in-process ledger's semantics, across workers.
+
+Each ``RedisLedger`` here plays one worker process (its own client, ids and heartbeat); the
+real multi-process runs are in test_redis_workers.py, the faults in test_redis_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gpu_asgi import (
+    BudgetLedger,
+    GPUAdmissionMiddleware,
+    Ledger,
+    LinearEstimator,
+    NeverFits,
+    QueueFull,
+    QueueTimeout,
+    Reservation,
+    gpu_bound,
+    gpu_reservation,
+    ledger_from_url,
+)
+from gpu_asgi.redis_ledger import RedisLedger
+
+from . import _redis
+from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
+
+pytestmark = requires_redis_server
+redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
+
+MakeLedger = Callable[..., RedisLedger]
+
+
+@pytest.fixture
+async def make_ledger(redis_server: RedisServer, namespace: str) -> AsyncIterator[MakeLedger]:
+    """Ledgers on one namespace, one per simulated worker; closed at the end."""
+    ledgers: list[RedisLedger] = []
+
+    def make(capacity: int = 100, **options: object) -> RedisLedger:
+        ledger = RedisLedger(redis_server.url, capacity, namespace=namespace, **options)  # type: ignore[arg-type]
+        ledgers.append(ledger)
+        return ledger
+
+    yield make
+    for ledger in ledgers:
+        await ledger.aclose()
+
+
+def queued(server: RedisServer, namespace: str, n: int) -> Callable[[], bool]:
+    return lambda: server.ledger_state(namespace)["queued"] == n
+
+
+async def still_waiting(*tasks: asyncio.Future[Reservation], settle: float = 0.3) -> bool:
+    """None of ``tasks`` is admitted after the others have had time to be (capacity forbids it)."""
+    await asyncio.sleep(settle)
+    return not any(task.done() for task in tasks)
+
+
+async def test_satisfies_the_budget_ledger_protocol(make_ledger: MakeLedger) -> None:
+    ledger = make_ledger({"cuda:0": 100, "cuda:1": 50})
+    assert isinstance(ledger, BudgetLedger)
+    assert ledger.devices == ("cuda:0", "cuda:1")
+    assert ledger.try_reserve(10) is None  # sync: never a network round trip, the caller awaits reserve()
+    assert ledger.retry_after(10) == ledger.max_wait  # no release observed yet
+    assert "namespace=" in repr(ledger)
+
+
+async def test_reserve_and_release_return_every_byte_to_redis(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    ledger = make_ledger(100)
+    reservation = await ledger.reserve(60)
+    assert (reservation.device, reservation.nbytes) == ("cuda:0", 60)
+    assert redis_server.ledger_state(namespace) == {**EMPTY, "reserved": 60, "leases": 1}
+    assert reservation.release() == 60
+    assert reservation.release() == 0  # exactly once
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+    stats = await ledger.refresh_statistics()
+    assert (stats.reserved_bytes, stats.in_flight, stats.admitted_total) == (0, 0, 1)
+
+
+async def test_places_on_the_device_with_most_free_bytes(make_ledger: MakeLedger) -> None:
+    ledger = make_ledger({"cuda:0": 100, "cuda:1": 100})
+    first = await ledger.reserve(70)
+    second = await ledger.reserve(70)
+    assert {first.device, second.device} == {"cuda:0", "cuda:1"}
+    pinned = await ledger.reserve(30, devices=[first.device])
+    assert pinned.device == first.device
+    for reservation in (first, second, pinned):
+        reservation.release()
+
+
+async def test_request_larger_than_budget_is_rejected_at_once(make_ledger: MakeLedger) -> None:
+    ledger = make_ledger(100)
+    with pytest.raises(NeverFits) as caught:
+        await ledger.reserve(101)
+    assert caught.value.extensions == {"required_bytes": 101, "budget_bytes": 100}
+    with pytest.raises(ValueError, match="unknown device"):
+        await ledger.reserve(1, devices=["cuda:7"])
+    await asyncio.sleep(0.1)  # the count travels to Redis in the background
+    assert (await ledger.refresh_statistics()).rejected_total == {"exceeds-budget": 1}
+
+
+async def test_waiters_of_two_workers_are_admitted_in_one_fifo_order(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    workers = (make_ledger(100), make_ledger(100))
+    holder = await workers[0].reserve(100)
+    waiters = []
+    for index in range(4):  # alternate workers; each ticket is taken before the next
+        waiters.append(asyncio.ensure_future(workers[index % 2].reserve(100)))
+        await eventually(queued(redis_server, namespace, index + 1))
+    previous = holder
+    for index, waiter in enumerate(waiters):
+        previous.release()
+        previous = await asyncio.wait_for(waiter, 5)
+        assert await still_waiting(*waiters[index + 1 :], settle=0.1)  # only the next in line got it
+    previous.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+
+
+async def test_later_small_requests_pass_a_blocked_head_at_most_max_bypass_times(make_ledger: MakeLedger) -> None:
+    first, second = make_ledger(100, max_bypass=2), make_ledger(100, max_bypass=2)
+    holder = await first.reserve(60)
+    big = asyncio.ensure_future(first.reserve(80))  # heads the queue, does not fit
+    await asyncio.sleep(0.1)
+    small = [await asyncio.wait_for(second.reserve(10), 2) for _ in range(2)]  # the other worker passes twice
+    third = asyncio.ensure_future(second.reserve(10))  # would fit, but the head is owed its turn
+    assert await still_waiting(big, third)
+    holder.release()
+    for reservation in small:
+        reservation.release()
+    granted = await asyncio.wait_for(asyncio.gather(big, third), 5)
+    assert [r.nbytes for r in granted] == [80, 10]
+    for reservation in granted:
+        reservation.release()
+
+
+async def test_higher_priority_is_admitted_first_across_workers(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    low_worker, high_worker = make_ledger(100), make_ledger(100)
+    holder = await low_worker.reserve(100)
+    low = asyncio.ensure_future(low_worker.reserve(100, priority=0))
+    await eventually(queued(redis_server, namespace, 1))
+    high = asyncio.ensure_future(high_worker.reserve(100, priority=5))
+    await eventually(queued(redis_server, namespace, 2))
+    holder.release()
+    granted = await asyncio.wait_for(high, 5)
+    assert await still_waiting(low, settle=0.1)
+    granted.release()
+    (await asyncio.wait_for(low, 5)).release()
+
+
+async def test_the_queue_bound_is_shared_by_all_workers(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    first, second = make_ledger(100, max_queue=2), make_ledger(100, max_queue=2)
+    holder = await first.reserve(100)
+    waiting = [asyncio.ensure_future(ledger.reserve(10)) for ledger in (first, second)]
+    await eventually(queued(redis_server, namespace, 2))
+    with pytest.raises(QueueFull) as caught:
+        await first.reserve(10)
+    assert caught.value.retry_after is not None and caught.value.retry_after >= 1
+    holder.release()
+    for reservation in await asyncio.wait_for(asyncio.gather(*waiting), 5):
+        reservation.release()
+    assert (await second.refresh_statistics()).rejected_total == {"queue-full": 1}
+
+
+async def test_a_waiter_that_times_out_leaves_the_shared_queue(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    holder_worker, waiter_worker = make_ledger(100), make_ledger(100)
+    holder = await holder_worker.reserve(100)
+    with pytest.raises(QueueTimeout) as caught:
+        await waiter_worker.reserve(10, timeout=0.3)
+    assert caught.value.status == 503
+    await eventually(queued(redis_server, namespace, 0))
+    holder.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+    assert (await holder_worker.refresh_statistics()).rejected_total == {"queue-timeout": 1}
+
+
+async def test_a_waiter_cancelled_after_its_grant_passes_the_bytes_on(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    holder_worker = make_ledger(100)
+    # No wake-ups and a long poll: the grant sits in Redis, unclaimed, when the waiter is cancelled.
+    sleepy = make_ledger(100, notify=False, poll_interval=30.0, lease_ttl=60.0)
+    holder = await holder_worker.reserve(100)
+    waiter = asyncio.ensure_future(sleepy.reserve(40))
+    await eventually(queued(redis_server, namespace, 1))
+    holder.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == {**EMPTY, "reserved": 40, "leases": 1})
+    assert not waiter.done()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+
+
+async def test_polling_admits_waiters_when_wake_ups_are_off(make_ledger: MakeLedger) -> None:
+    holder_worker = make_ledger(100)
+    polling = make_ledger(100, notify=False, poll_interval=0.05)
+    holder = await holder_worker.reserve(100)
+    waiter = asyncio.ensure_future(polling.reserve(100))
+    assert await still_waiting(waiter, settle=0.1)
+    holder.release()
+    (await asyncio.wait_for(waiter, 5)).release()
+
+
+async def test_shrink_gives_bytes_to_a_waiter_of_another_worker(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    first, second = make_ledger(100), make_ledger(100)
+    big = await first.reserve(100)
+    waiter = asyncio.ensure_future(second.reserve(40))
+    await eventually(queued(redis_server, namespace, 1))
+    assert big.shrink(60) == 40
+    granted = await asyncio.wait_for(waiter, 5)
+    assert redis_server.ledger_state(namespace)["reserved"] == 100
+    big.shrink(70)  # growing is not shrinking: nothing changes
+    assert big.nbytes == 60
+    big.release()
+    granted.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+
+
+async def test_statistics_and_retry_after_cover_every_worker(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    first, second = make_ledger(100), make_ledger(100)
+    mine, theirs = await first.reserve(30), await second.reserve(50)
+    waiter = asyncio.ensure_future(second.reserve(60))
+    await eventually(queued(redis_server, namespace, 1))
+    stats = await first.refresh_statistics()
+    assert (stats.reserved_bytes, stats.in_flight, stats.waiting, stats.waiting_bytes) == (80, 2, 1, 60)
+    assert stats.admitted_total == 2 and stats.capacity_bytes == 100
+    assert first.statistics() == stats  # the sync view is the last snapshot
+    mine.release()
+    theirs.release()
+    (await asyncio.wait_for(waiter, 5)).release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+    stats = await first.refresh_statistics()
+    assert stats.release_rate_bytes_per_second > 0 and stats.admitted_total == 3
+    assert 1.0 <= first.retry_after(100) < first.max_wait  # from the shared drain rate, not the fallback
+
+
+async def test_the_middleware_admits_through_the_redis_ledger(redis_server: RedisServer, namespace: str) -> None:
+    ledger = RedisLedger(redis_server.url, 100, namespace=namespace)
+    peak = {"now": 0, "max": 0}
+
+    @gpu_bound()
+    async def generate(request: Request) -> JSONResponse:
+        nbytes = gpu_reservation(request).nbytes
+        peak["now"] += nbytes
+        peak["max"] = max(peak["max"], peak["now"])
+        await asyncio.sleep(0.01)
+        peak["now"] -= nbytes
+        return JSONResponse({"bytes": nbytes})
+
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=LinearEstimator(bytes_per_token=1))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        sizes = [10, 30, 50, 70] * 5
+        responses = await asyncio.gather(
+            *(client.post("/generate", json={"prompt": "x", "max_new_tokens": n}) for n in sizes)
+        )
+    assert [r.status_code for r in responses] == [200] * len(sizes)
+    assert 0 < peak["max"] <= 100
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+    await ledger.aclose()
+
+
+def test_ledger_from_url_selects_the_ledger(redis_server: RedisServer) -> None:
+    assert isinstance(ledger_from_url(None, 100), Ledger)
+    assert isinstance(ledger_from_url("memory://", 100, max_queue=3), Ledger)
+    shared = ledger_from_url(redis_server.url, 100, max_queue=3, namespace="cfg", lease_ttl=2.0)
+    assert isinstance(shared, RedisLedger)
+    assert (shared.namespace, shared.max_queue, shared.lease_ttl) == ("cfg", 3, 2.0)
+    with pytest.raises(ValueError, match="scheme"):
+        ledger_from_url("postgres://x", 100)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="local_share"):
+        RedisLedger("redis://127.0.0.1:1", 100, on_unavailable="local")
+    with pytest.raises(ValueError, match="heartbeat"):
+        RedisLedger("redis://127.0.0.1:1", 100, lease_ttl=1.0, heartbeat=2.0)
+    with pytest.raises(ValueError, match="braces"):
+        RedisLedger("redis://127.0.0.1:1", 100, namespace="{x}")
