@@ -92,6 +92,7 @@ async def complete(request: Request, admission: Admission, generation: Generatio
     if not result.done():
         generation.cancel()
         result.cancel()
+        await wait_for_device(generation)  # its rows stay in the batch's KV cache until the batch ends
         raise ClientGone
     sequences = result.result()
     admission.reservation.shrink(0)
@@ -126,6 +127,9 @@ class EventStream(StreamingResponse):
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()
+            # A client that left mid-stream: the response ends (and the middleware releases the
+            # reservation) only once its batch has left the device.
+            await wait_for_device(self._generation)
 
 
 def sse(payload: bytes) -> bytes:
@@ -133,6 +137,23 @@ def sse(payload: bytes) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def wait_for_device(generation: Generation) -> None:
+    """Wait until the batch holding ``generation`` has left the device, through cancellations.
+
+    Starlette cancels a stream when its client disconnects, and anyio re-delivers that
+    cancellation on every loop iteration: each one is absorbed until the device is done, and
+    re-raised after, so the request's bytes are never released while the batch still uses them.
+    """
+    cancelled = False
+    while not generation.device_done.done():
+        try:
+            await asyncio.wait((generation.device_done,))
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def hold_until_device_done(admission: Admission, generation: Generation) -> None:
