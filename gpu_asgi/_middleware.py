@@ -99,7 +99,7 @@ class GPUAdmissionMiddleware:
         self.app = app
         self.ledger = ledger
         self.estimator = estimator
-        self.token_counter: TokenCounter = token_counter if token_counter is not None else HeuristicTokenCounter()
+        self.token_counter: TokenCounter = HeuristicTokenCounter() if token_counter is None else token_counter
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.reject_status = reject_status

@@ -87,7 +87,7 @@ class NVMLProbe:
     def _open(self) -> dict[str, Any]:
         if self._nvml is None:
             try:
-                import pynvml  # type: ignore[import-untyped]
+                import pynvml
             except ImportError:
                 raise RuntimeError(NVML_MISSING) from None
             self._nvml = pynvml

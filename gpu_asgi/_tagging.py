@@ -70,7 +70,7 @@ def gpu_bound(
 ) -> Callable[[F], F]:
     """Tag an endpoint as GPU-bound. Returns the function itself, so decorator order is free."""
     spec = RouteSpec(
-        prompt=prompt,  # type: ignore[arg-type]  # normalised in __post_init__
+        prompt=prompt,  # a str is normalised to a tuple in __post_init__
         max_tokens_fields=max_tokens_fields,
         default_max_new_tokens=default_max_new_tokens,
         max_new_tokens_cap=max_new_tokens_cap,

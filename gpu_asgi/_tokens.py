@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,7 +17,8 @@ class TokenCounter(Protocol):
     """Counts the tokens of one text. ``inline_limit`` is the text length (characters)
     above which the middleware counts in a worker thread so the event loop keeps serving."""
 
-    inline_limit: int
+    @property
+    def inline_limit(self) -> int: ...
 
     def count(self, text: str) -> int: ...
 
@@ -51,6 +52,7 @@ class HFTokenCounter:
     __slots__ = ("_encode", "inline_limit")
 
     def __init__(self, tokenizer: Any, *, inline_limit: int = 2048) -> None:
+        self._encode: Callable[[str], Sequence[int]]
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:  # a fast tokenizer: call the Rust encoder directly, skip the Python wrapper
             self._encode = lambda text: backend.encode(text, add_special_tokens=False).ids
