@@ -19,12 +19,12 @@ from gpu_asgi import (
     GPUAdmissionMiddleware,
     GPUMetrics,
     HFTokenCounter,
-    Ledger,
     NoDeviceProbe,
     ThermalPolicy,
     auto_probe,
     budget_bytes,
     health_router,
+    ledger_from_url,
 )
 
 from ._batching import Batcher
@@ -58,13 +58,19 @@ def create_app(
         )
     )
     on_gpu = loaded.device.startswith("cuda")
-    ledger = Ledger(
-        {loaded.device: device_budget(settings, loaded)}, max_queue=settings.max_queue, max_wait=settings.max_wait
+    shared = settings.ledger_url is not None and not settings.ledger_url.startswith("memory://")
+    redis_options = {"namespace": settings.ledger_namespace} if shared else {}
+    ledger = ledger_from_url(
+        settings.ledger_url,
+        {loaded.device: device_budget(settings, loaded)},
+        max_queue=settings.max_queue,
+        max_wait=settings.max_wait,
+        **redis_options,
     )
     estimator = BucketedEstimator(AnalyticEstimator.from_config(loaded.model.config, dtype=loaded.dtype))
     sampler = DeviceSampler(auto_probe() if on_gpu else NoDeviceProbe())
     thermal = ThermalPolicy(clamp_max_new_tokens=THERMAL_CLAMP_MAX_NEW_TOKENS)
-    metrics = GPUMetrics(ledger, sampler=sampler)
+    metrics = GPUMetrics(ledger, sampler=sampler, shared_ledger=shared)
     batcher = Batcher(
         loaded,
         estimator=estimator,
@@ -82,6 +88,9 @@ def create_app(
         async with sampler, batcher:
             yield
         metrics.close()
+        aclose = getattr(ledger, "aclose", None)  # the Redis ledger's heartbeat and connections
+        if aclose is not None:
+            await aclose()
 
     app = FastAPI(
         title="gpu_asgi demo service",

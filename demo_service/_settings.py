@@ -71,6 +71,14 @@ class DemoSettings(BaseSettings):
         ge=0,
         description="CUDA: context and allocator slack, taken off the budget once.",
     )
+    ledger_url: str | None = Field(
+        default=None,
+        description="Where the budget lives: unset or memory:// for this process; redis://host:port/db to share "
+        "one budget between `--workers` and hosts (needs gpu_asgi[redis]).",
+    )
+    ledger_namespace: str = Field(
+        default="gpu_asgi:demo", description="Redis ledger: the key namespace, one per physical GPU."
+    )
     max_queue: int = Field(default=8, ge=0, description="Requests that may wait for memory; more get 503 queue-full.")
     max_wait: float = Field(
         default=10.0, gt=0, description="Seconds a request may wait for memory before 503 queue-timeout."
