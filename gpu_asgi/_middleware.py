@@ -145,14 +145,17 @@ class GPUAdmissionMiddleware:
                     clamped_from, max_new_tokens = max_new_tokens, limit
                     if metrics is not None:
                         metrics.record_clamp()
-            counter = self.token_counter
-            texts = [prompt.text for prompt in request.prompts]
-            if sum(map(len, texts)) <= counter.inline_limit:
-                counts = [counter.count(text) for text in texts]
+            prompts, counter = request.prompts, self.token_counter
+            if len(prompts) == 1 and len(prompts[0].text) <= counter.inline_limit:  # the common case, inline
+                prompt_tokens = counter.count(prompts[0].text) + prompts[0].known_tokens
             else:
-                counts = await count_tokens_in_thread(counter, texts)
-            prompt_tokens = max(n + prompt.known_tokens for n, prompt in zip(counts, request.prompts))
-            batch = len(request.prompts) * request.n
+                texts = [prompt.text for prompt in prompts]
+                if sum(map(len, texts)) <= counter.inline_limit:
+                    counts = [counter.count(text) for text in texts]
+                else:
+                    counts = await count_tokens_in_thread(counter, texts)
+                prompt_tokens = max(n + prompt.known_tokens for n, prompt in zip(counts, prompts))
+            batch = len(prompts) * request.n
             nbytes = (spec.estimator or self.estimator).estimate(prompt_tokens, max_new_tokens, batch)
         except GPUAdmissionError as error:
             if metrics is not None:
