@@ -32,6 +32,7 @@ from ._schemas import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    OpenAIRequest,
     Usage,
     usage,
 )
@@ -72,14 +73,7 @@ def openai_router(service: DemoService) -> APIRouter:
         prompts = await _completion_prompts(service, body.prompt)
         if len(prompts) * body.n > MAX_SEQUENCES:
             raise HTTPException(422, f"At most {MAX_SEQUENCES} sequences per request (prompts x n).")
-        generation = service.submit(
-            admission,
-            prompts,
-            n=body.n,
-            sampling=Sampling(body.temperature, body.top_p),
-            stop=body.stops,
-            stream=body.stream,
-        )
+        generation = _submit(service, admission, prompts, body)
         cid, created = new_id("cmpl"), int(time.time())
         if body.stream:
 
@@ -117,14 +111,7 @@ def openai_router(service: DemoService) -> APIRouter:
         check_model(body.model)
         text = render_chat(tokenizer, body.model_dump()["messages"])
         prompts = await encode_all(service.encode, [text])
-        generation = service.submit(
-            admission,
-            prompts,
-            n=body.n,
-            sampling=Sampling(body.temperature, body.top_p),
-            stop=body.stops,
-            stream=body.stream,
-        )
+        generation = _submit(service, admission, prompts, body)
         cid, created = new_id("chatcmpl"), int(time.time())
         if body.stream:
             started: set[int] = set()
@@ -156,6 +143,18 @@ def openai_router(service: DemoService) -> APIRouter:
         )
 
     return router
+
+
+def _submit(service: DemoService, admission: Admission, prompts: list[list[int]], body: OpenAIRequest) -> Generation:
+    """Queue the request's sequences for batching, with its OpenAI sampling and stop settings."""
+    return service.submit(
+        admission,
+        prompts,
+        n=body.n,
+        sampling=Sampling(body.temperature, body.top_p),
+        stop=body.stops,
+        stream=body.stream,
+    )
 
 
 def _usage(generation: Generation) -> Usage:
