@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Literal, Self
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -47,6 +47,7 @@ DEFAULT_NAMESPACE = "gpu_asgi"
 DEFAULT_LEASE_TTL = 10.0
 DEFAULT_POLL_INTERVAL = 0.5
 DEFAULT_REDIS_TIMEOUT = 1.0
+DEFAULT_MAX_CONNECTIONS = 32
 
 
 class RedisLedger:
@@ -54,7 +55,10 @@ class RedisLedger:
 
     ``redis`` is a URL (``redis://host:6379/0``, ``rediss://``, ``unix://``) or a
     ``redis.asyncio.Redis`` client. One ledger per process and event loop; call
-    ``await ledger.aclose()`` on shutdown (or use ``async with``).
+    ``await ledger.aclose()`` on shutdown (or use ``async with``). A client made from a URL
+    has a blocking pool of ``max_connections``: a burst of admissions waits its turn for a
+    connection (within ``redis_timeout``) rather than failing. A client you pass in should
+    have such a pool too; redis-py's default pool raises once 100 connections are busy.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class RedisLedger:
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         notify: bool = True,
         redis_timeout: float = DEFAULT_REDIS_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         on_unavailable: Literal["fail-closed", "local"] = "fail-closed",
         local_share: float | None = None,
     ) -> None:
@@ -82,6 +87,8 @@ class RedisLedger:
             raise ValueError(
                 "heartbeat must be positive and shorter than lease_ttl (a third leaves two beats of slack)"
             )
+        if max_connections < 2:
+            raise ValueError("max_connections must be at least 2: the wake-up subscription holds one")
         if on_unavailable not in ("fail-closed", "local"):
             raise ValueError("on_unavailable must be 'fail-closed' or 'local'")
         if on_unavailable == "local" and not (local_share is not None and 0 < local_share <= 1):
@@ -102,9 +109,15 @@ class RedisLedger:
         self.local_share = local_share
         self._owns_client = isinstance(redis, str)
         if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
-            redis = Redis.from_url(
-                redis, retry=Retry(NoBackoff(), 1), socket_timeout=redis_timeout, socket_connect_timeout=redis_timeout
+            pool = BlockingConnectionPool.from_url(
+                redis,
+                max_connections=max_connections,
+                timeout=redis_timeout,
+                retry=Retry(NoBackoff(), 1),
+                socket_timeout=redis_timeout,
+                socket_connect_timeout=redis_timeout,
             )
+            redis = Redis.from_pool(pool)  # the client owns the pool and closes it
         self._client = redis
         self._scripts = LedgerScripts(
             redis,

@@ -88,6 +88,25 @@ async def test_reserve_and_release_return_every_byte_to_redis(
     assert (stats.reserved_bytes, stats.in_flight, stats.admitted_total) == (0, 0, 1)
 
 
+async def test_a_burst_larger_than_the_connection_pool_is_admitted(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    # redis-py 8 caps a pool at 100 connections and raises when it is exhausted; a busy worker
+    # has more requests in admission than that, and must not read the cap as "Redis is down".
+    ledger = make_ledger(1_000)
+
+    async def hold(nbytes: int) -> int:
+        reservation = await ledger.reserve(nbytes)
+        await asyncio.sleep(0.01)
+        return reservation.release()
+
+    assert sum(await asyncio.gather(*(hold(1) for _ in range(300)))) == 300  # all fit at once
+    assert sum(await asyncio.gather(*(hold(10) for _ in range(250)))) == 2_500  # 100 fit, the rest queue
+    assert ledger.available
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+    assert (await ledger.refresh_statistics()).admitted_total == 550
+
+
 async def test_places_on_the_device_with_most_free_bytes(make_ledger: MakeLedger) -> None:
     ledger = make_ledger({"cuda:0": 100, "cuda:1": 100})
     first = await ledger.reserve(70)
@@ -297,5 +316,7 @@ def test_options_are_checked() -> None:
         RedisLedger("redis://127.0.0.1:1", 100, on_unavailable="local")
     with pytest.raises(ValueError, match="heartbeat"):
         RedisLedger("redis://127.0.0.1:1", 100, lease_ttl=1.0, heartbeat=2.0)
+    with pytest.raises(ValueError, match="max_connections"):
+        RedisLedger("redis://127.0.0.1:1", 100, max_connections=1)
     with pytest.raises(ValueError, match="braces"):
         RedisLedger("redis://127.0.0.1:1", 100, namespace="{x}")
