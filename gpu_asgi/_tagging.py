@@ -98,38 +98,55 @@ def route_spec_of(endpoint: Any) -> RouteSpec | None:
     return None
 
 
+#: Methods cached per path; answers for further (invented) method names are looked up each time.
+MAX_METHODS_PER_PATH = 16
+
+
 class RouteResolver:
     """Finds the spec for a request before the router runs, and caches the answer.
 
     The middleware sits in front of the router, so it asks the app's routes itself
-    (``route.matches(scope)``, recursing into mounts). Answers are cached per
-    (method, path); the cache is bounded because path parameters make paths unbounded.
+    (``route.matches(scope)``, recursing into mounts). Answers are cached per path, then per
+    method: two lookups by strings whose hashes are cached, cheaper than hashing a (method,
+    path) tuple on every untagged request. The cache is bounded by paths, because path
+    parameters make paths unbounded.
     """
 
-    def __init__(self, explicit: Mapping[str, RouteSpec] | None = None, cache_size: int = DEFAULT_ROUTE_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        explicit: Mapping[str, RouteSpec] | None = None,
+        cache_size: int = DEFAULT_ROUTE_CACHE_SIZE,
+        *,
+        wrapped: Any = None,
+    ) -> None:
         self._explicit = dict(explicit or {})
-        #: (method, path) -> spec or None. ``path`` is the full path (root_path included), so it
-        #: names one route of this app. Readable directly for a lookup without a call.
-        self.cache: dict[tuple[str, str], RouteSpec | None] = {}
+        #: The app the middleware wraps: its router is asked when the scope names no app, as when
+        #: the middleware wraps a Starlette/FastAPI app from outside instead of ``add_middleware``.
+        self._wrapped = wrapped
+        #: path -> {method -> spec or None}. ``path`` is the full path (root_path included), so it
+        #: names routes of this app. Readable directly for a lookup without a call.
+        self.cache: dict[str, dict[str, RouteSpec | None]] = {}
         self._cache_size = cache_size
 
     def resolve(self, scope: Scope) -> RouteSpec | None:
-        key = (scope["method"], scope["path"])
-        try:
-            return self.cache[key]
-        except KeyError:
-            pass
+        path, method = scope["path"], scope["method"]
+        by_method = self.cache.get(path)
+        if by_method is None:
+            if len(self.cache) >= self._cache_size:
+                del self.cache[next(iter(self.cache))]  # evict the oldest path
+            by_method = self.cache[path] = {}
+        elif method in by_method:
+            return by_method[method]
         spec = self._lookup(scope)
-        if len(self.cache) >= self._cache_size:
-            del self.cache[next(iter(self.cache))]  # evict the oldest entry
-        self.cache[key] = spec
+        if len(by_method) < MAX_METHODS_PER_PATH:  # clients choose method names: keep them bounded too
+            by_method[method] = spec
         return spec
 
     def _lookup(self, scope: Scope) -> RouteSpec | None:
         spec = self._explicit.get(scope["path"])
         if spec is not None:
             return spec if scope["method"] in spec.methods else None
-        router = getattr(scope.get("app"), "router", None)
+        router = getattr(scope.get("app"), "router", None) or getattr(self._wrapped, "router", None)
         routes = getattr(router, "routes", None)
         return _match_routes(routes, scope) if routes is not None else None
 

@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
 from gpu_asgi import RouteSpec, gpu_bound
-from gpu_asgi._tagging import RouteResolver, route_spec_of
+from gpu_asgi._tagging import MAX_METHODS_PER_PATH, RouteResolver, route_spec_of
 
 from ._asgi import http_scope
 
@@ -90,3 +90,8 @@ def test_resolution_is_cached_and_the_cache_is_bounded() -> None:
     for n in range(10):
         resolver.resolve(http_scope(f"/items/{n}", app=app))
     assert len(resolver.cache) == 3
+    # Method names come from clients too: past a few per path they are answered, not cached.
+    for n in range(100):
+        assert resolver.resolve(http_scope("/items/1", method=f"M{n}", app=app)) is None
+    assert resolver.resolve(http_scope("/items/1", app=app)) is not None
+    assert len(resolver.cache["/items/1"]) == MAX_METHODS_PER_PATH

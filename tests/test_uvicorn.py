@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator, gpu_bound
+from gpu_asgi import GPUAdmissionMiddleware, HeuristicTokenCounter, Ledger, LinearEstimator, gpu_bound
 
 from ._asgi import wait_until
 
@@ -92,3 +92,33 @@ async def test_client_that_disconnects_mid_stream_frees_its_bytes() -> None:
         writer.close()
         await wait_until(lambda: ledger.statistics().reserved_bytes == 0)
     assert ledger.statistics().in_flight == 0
+
+
+async def test_uvicorn_serves_the_middleware_as_the_outermost_asgi3_app() -> None:
+    # __call__ is a plain function returning a coroutine; uvicorn must still detect ASGI 3
+    # (it would otherwise call it as ASGI 2, with the scope alone, and fail every request).
+    ledger = Ledger(1000)
+
+    @gpu_bound()
+    async def generate(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(f"held {request.state.gpu_reservation.nbytes}")
+
+    async def plain(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("plain")
+
+    inner = Starlette(routes=[Route("/generate", generate, methods=["POST"]), Route("/plain", plain)])
+    app = GPUAdmissionMiddleware(inner, ledger=ledger, estimator=LinearEstimator(bytes_per_token=1))
+    config = uvicorn.Config(app, log_level="warning")
+    config.load()
+    assert config.interface == "asgi3"
+    async with serve(app) as port:  # type: ignore[arg-type]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(port, {"prompt": "hello", "max_new_tokens": 10}))
+        tagged = await asyncio.wait_for(reader.read(4096), 5)
+        writer.write(f"GET /plain HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode())
+        untagged = await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()
+    held = HeuristicTokenCounter().count("hello") + 10  # one byte per prompt and new token
+    assert tagged.startswith(b"HTTP/1.1 200") and tagged.endswith(f"held {held}".encode())
+    assert untagged.startswith(b"HTTP/1.1 200") and untagged.endswith(b"plain")
+    assert ledger.statistics().admitted_total == 1
