@@ -13,7 +13,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
@@ -29,7 +29,8 @@ LEASE_TTL = float(os.environ.get("GPU_ASGI_TEST_LEASE_TTL", "2.0"))
 BYTES_PER_TOKEN = 1000
 
 ledger = RedisLedger(URL, BUDGET, namespace=NAMESPACE, lease_ttl=LEASE_TTL, max_wait=60.0)
-probe = Redis.from_url(URL, decode_responses=True)
+# Blocking: redis-py's default pool raises past 100 connections, and one worker may take most requests.
+probe = Redis.from_pool(BlockingConnectionPool.from_url(URL, max_connections=64, decode_responses=True))
 #: Add to the running sum and keep its maximum, atomically.
 add_and_track = probe.register_script(
     """

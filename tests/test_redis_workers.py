@@ -90,9 +90,13 @@ async def test_four_workers_never_reserve_more_than_one_budget(cluster: Cluster)
     sizes = [rng.choice([50_000, 100_000, 200_000, 400_000, 700_000]) for _ in range(100)]
     limits = httpx.Limits(max_connections=len(sizes))
     async with httpx.AsyncClient(base_url=cluster.url, timeout=60, limits=limits) as client:
-        responses = await asyncio.gather(
-            *(client.post("/work", json=payload("budget", n, rng.uniform(0.01, 0.05))) for n in sizes)
-        )
+        requests = []
+        for n in sizes:
+            requests.append(asyncio.ensure_future(client.post("/work", json=payload("budget", n, rng.uniform(0.01, 0.05)))))
+            # Staggered: a burst of connections at once can all be accepted by one worker (asyncio
+            # accepts up to 100 per wake-up), and the test would not cross processes at all.
+            await asyncio.sleep(0.003)
+        responses = await asyncio.gather(*requests)
     assert [r.status_code for r in responses] == [200] * len(sizes)
     assert sorted(r.json()["bytes"] for r in responses) == sorted(sizes)
     redis = cluster.redis.client()
