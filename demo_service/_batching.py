@@ -272,7 +272,7 @@ class Batcher:
             for generation in batch:
                 generation._fail(RuntimeError("the service is shutting down"))
             raise
-        except Exception as exc:  # noqa: BLE001 - whatever failed, the batch's requests are told
+        except Exception as exc:  # whatever failed, the batch's requests are told
             for generation in batch:
                 generation._fail(exc)
             return

@@ -174,7 +174,7 @@ async def _events(
                 yield sse(chunk(delta.index, delta.text, None))
             if delta.finish_reason is not None:
                 yield sse(chunk(delta.index, "", delta.finish_reason))
-    except Exception as exc:  # noqa: BLE001 - the batch failed: say so in the stream, as OpenAI does
+    except Exception as exc:  # the batch failed: say so in the stream, as OpenAI does
         error = {"error": {"message": f"Generation failed: {exc}", "type": "server_error"}}
         yield sse(json.dumps(error).encode())
     else:

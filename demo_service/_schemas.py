@@ -127,7 +127,8 @@ class CompletionRequest(OpenAIRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = OpenAIRequest.UNSUPPORTED + (
+    UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = (
+        *OpenAIRequest.UNSUPPORTED,
         ("echo", False),
         ("logprobs", None),
         ("best_of", 1),
@@ -175,7 +176,8 @@ class ChatRequest(OpenAIRequest):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
-    UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = OpenAIRequest.UNSUPPORTED + (
+    UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = (
+        *OpenAIRequest.UNSUPPORTED,
         ("logprobs", False),
         ("top_logprobs", None),
         ("tools", None),

@@ -85,7 +85,7 @@ class DeviceExecutor:
                 torch.cuda.set_device(self.device)
                 sync = functools.partial(torch.cuda.synchronize, self.device)
             self._torch = torch
-        except BaseException as exc:  # noqa: BLE001  # reported on every call, not a silently broken pool
+        except BaseException as exc:  # reported on every call, not a silently broken pool
             self._init_error = exc
         bind_thread(ThreadBinding(self.device, self._tracer, self.synchronize, sync))
 

@@ -90,7 +90,7 @@ class BudgetLedger(Protocol):
 class Reservation:
     """Bytes held on one device. Release is idempotent; the bytes return exactly once."""
 
-    __slots__ = ("id", "device", "requested_bytes", "waited", "_held", "_released", "_ledger")
+    __slots__ = ("_held", "_ledger", "_released", "device", "id", "requested_bytes", "waited")
 
     def __init__(self, ledger: BudgetLedger, id: str, device: str, nbytes: int, waited: float) -> None:
         self.id = id
@@ -142,7 +142,7 @@ class Reservation:
 
 
 class _Device:
-    __slots__ = ("name", "capacity", "reserved", "in_flight")
+    __slots__ = ("capacity", "in_flight", "name", "reserved")
 
     def __init__(self, name: str, capacity: int) -> None:
         if capacity <= 0:
@@ -154,7 +154,7 @@ class _Device:
 
 
 class _Waiter:
-    __slots__ = ("seq", "nbytes", "devices", "priority", "future", "bypassed", "since")
+    __slots__ = ("bypassed", "devices", "future", "nbytes", "priority", "seq", "since")
 
     def __init__(self, seq: int, nbytes: int, devices: tuple[_Device, ...], priority: int, since: float) -> None:
         self.seq = seq

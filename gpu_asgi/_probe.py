@@ -185,7 +185,7 @@ def auto_probe() -> NVMLProbe | TorchProbe | NoDeviceProbe:
     probe = NVMLProbe()
     try:
         probe.read()
-    except Exception:  # noqa: BLE001, S110  # no bindings, no driver, no device: try the next one
+    except Exception:  # no bindings, no driver, no device: try the next one
         pass
     else:
         return probe

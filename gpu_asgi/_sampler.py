@@ -83,7 +83,7 @@ class DeviceSampler:
             previous = self._snapshot
             try:
                 readings = self.probe.read()
-            except Exception as exc:  # noqa: BLE001  # a failing probe is a state to report, not a crash
+            except Exception as exc:  # a failing probe is a state to report, not a crash
                 snapshot = DeviceSnapshot(
                     previous.readings, previous.taken_at, f"{type(exc).__name__}: {exc}", self.probe.name
                 )

@@ -16,11 +16,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
 
-import pytest  # noqa: E402
+import pytest
 
-from demo_service import DemoSettings, LoadedModel, create_app, ensure_local_model, load_model  # noqa: E402
+from demo_service import DemoSettings, LoadedModel, create_app, ensure_local_model, load_model
 
-from ._asgi import wait_until  # noqa: E402
+from ._asgi import wait_until
 
 
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -14,11 +14,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from demo_service import BucketedEstimator, DemoSettings, LoadedModel, create_app  # noqa: E402
-from gpu_asgi import AnalyticEstimator  # noqa: E402
+from demo_service import BucketedEstimator, DemoSettings, LoadedModel, create_app
+from gpu_asgi import AnalyticEstimator
 
-from ._asgi import wait_until  # noqa: E402
-from ._demo import batcher_of, ledger_of, loaded_model, model_dir, running, serving, settings  # noqa: E402
+from ._asgi import wait_until
+from ._demo import batcher_of, ledger_of, loaded_model, model_dir, running, serving, settings
 
 PROBLEM = "application/problem+json"
 

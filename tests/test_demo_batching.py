@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from demo_service import Batcher, BucketedEstimator, LoadedModel, Sampling, bucket  # noqa: E402
-from demo_service._decode import SequenceText  # noqa: E402
-from gpu_asgi import AnalyticEstimator, Ledger  # noqa: E402
+from demo_service import Batcher, BucketedEstimator, LoadedModel, Sampling, bucket
+from demo_service._decode import SequenceText
+from gpu_asgi import AnalyticEstimator, Ledger
 
-from ._demo import batcher_of, loaded_model, model_dir, running  # noqa: E402
+from ._demo import batcher_of, loaded_model, model_dir, running
 
 PROMPTS = [
     "Hello there",

@@ -20,12 +20,12 @@ from starlette.routing import Route
 
 pytest.importorskip("matplotlib")
 
-from demo_service.loadtest import LoadTestConfig, make_jobs, parse_mix, parse_retry_after, run_load, summarize  # noqa: E402
-from demo_service.loadtest._plots import write_plots  # noqa: E402
-from demo_service.loadtest._report import percentile  # noqa: E402
-from demo_service.loadtest._scrape import parse_gauges  # noqa: E402
+from demo_service.loadtest import LoadTestConfig, make_jobs, parse_mix, parse_retry_after, run_load, summarize
+from demo_service.loadtest._plots import write_plots
+from demo_service.loadtest._report import percentile
+from demo_service.loadtest._scrape import parse_gauges
 
-from ._asgi import wait_until  # noqa: E402
+from ._asgi import wait_until
 
 METRICS = """# TYPE gpu_asgi_queue_depth gauge
 gpu_asgi_queue_depth 2.0

@@ -10,12 +10,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("redis")
 
-from demo_service import BucketedEstimator, LoadedModel  # noqa: E402
-from gpu_asgi import AnalyticEstimator  # noqa: E402
+from demo_service import BucketedEstimator, LoadedModel
+from gpu_asgi import AnalyticEstimator
 
-from . import _redis  # noqa: E402
-from ._demo import loaded_model, model_dir, running  # noqa: E402
-from ._redis import EMPTY, RedisServer, eventually, requires_redis_server  # noqa: E402
+from . import _redis
+from ._demo import loaded_model, model_dir, running
+from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
 
 pytestmark = requires_redis_server
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures

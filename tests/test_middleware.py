@@ -23,12 +23,11 @@ from gpu_asgi import (
     LinearEstimator,
     Reservation,
     RouteSpec,
+    _body,
     gpu_admission,
     gpu_bound,
     gpu_reservation,
 )
-
-from gpu_asgi import _body
 
 from ._asgi import RawClient, http_scope, settle, wait_until
 

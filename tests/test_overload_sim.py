@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from gpu_asgi import AnalyticEstimator, budget_bytes
 from tests.benchmarks.bench_overload import (
-    DEVICE_BYTES, QWEN2_1_5B, RUNTIME_OVERHEAD, WEIGHTS_BYTES, run_policy, workload,
+    DEVICE_BYTES,
+    QWEN2_1_5B,
+    RUNTIME_OVERHEAD,
+    WEIGHTS_BYTES,
+    run_policy,
+    workload,
 )
 
 

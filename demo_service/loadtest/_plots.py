@@ -8,9 +8,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+import matplotlib.pyplot as plt  # after the backend is chosen
 
-from ._report import PERCENTILES  # noqa: E402
+from ._report import PERCENTILES
 
 SIZE, DPI = (8, 3.6), 90
 SMOOTHING_SECONDS = 10

@@ -19,7 +19,7 @@ ENDPOINTS = {
     "generate": "/v1/generate",
 }
 
-_WORDS = (  # noqa: SIM905 - a paragraph reads better than a list of words
+_WORDS = (  # a paragraph reads better than a list of words
     "the memory budget of a graphics card is shared by every request that runs on it and each one "
     "needs room for its key value cache which grows with the prompt and with every generated token "
     "so a short question and a long document do not cost the same the server admits requests by "

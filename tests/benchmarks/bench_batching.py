@@ -21,11 +21,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import httpx  # noqa: E402
+import httpx
 
-from demo_service import DemoSettings, create_app, load_model  # noqa: E402
+from demo_service import DemoSettings, create_app, load_model
 
-from ._report import table, write_report  # noqa: E402
+from ._report import table, write_report
 
 TOPICS = ["rivers", "mountains", "bridges", "volcanoes", "deserts", "forests", "glaciers", "islands"]
 
