@@ -140,7 +140,7 @@ def _extract_prompts(data: dict[str, Any], spec: RouteSpec) -> list[Prompt]:
         if name in data:
             value = data[name]
             if name == "messages" or (isinstance(value, list) and value and isinstance(value[0], dict)):
-                return [_prompt_from_messages(name, value)]
+                return [_prompt_from_messages(name, value, spec.chat_template_tokens)]
             return _prompts_from_value(name, value)
     expected = " or ".join(repr(name) for name in spec.prompt)
     raise InvalidField(f"The body has no prompt: expected the field {expected}.", field=spec.prompt[0])
@@ -163,8 +163,12 @@ def _prompts_from_value(name: str, value: Any) -> list[Prompt]:
     )
 
 
-def _prompt_from_messages(name: str, messages: Any) -> Prompt:
-    """OpenAI chat ``messages``: content is a string, null, or a list of parts (``text`` parts counted)."""
+def _prompt_from_messages(name: str, messages: Any, template_tokens: int) -> Prompt:
+    """OpenAI chat ``messages``: content is a string, null, or a list of parts (``text`` parts counted).
+
+    Known tokens: each message's template markers, plus ``template_tokens`` for what the template
+    adds once (a default system prompt, the generation prompt).
+    """
     if not isinstance(messages, list) or not messages:
         raise InvalidField(f"{name!r} must be a non-empty list of messages.", field=name)
     texts: list[str] = []
@@ -186,7 +190,7 @@ def _prompt_from_messages(name: str, messages: Any) -> Prompt:
                     texts.append(part["text"])
         elif content is not None:
             raise InvalidField(f"{where}.content must be a string, a list of parts or null.", field=where)
-    return Prompt("\n".join(texts), MESSAGE_OVERHEAD_TOKENS * len(messages))
+    return Prompt("\n".join(texts), MESSAGE_OVERHEAD_TOKENS * len(messages) + template_tokens)
 
 
 def _max_new_tokens(data: dict[str, Any], spec: RouteSpec) -> int:

@@ -15,6 +15,9 @@ DEFAULT_MAX_TOKENS_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tok
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_MAX_NEW_TOKENS_CAP = 4096
 DEFAULT_ROUTE_CACHE_SIZE = 4096
+#: Room for what a chat template adds once per conversation: a default system prompt when the
+#: client sent none (Qwen2.5's is 21 tokens with its markers) and the generation prompt (3).
+DEFAULT_CHAT_TEMPLATE_TOKENS = 32
 
 PromptGetter = Callable[[Any], "str | Sequence[str]"]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,6 +45,8 @@ class RouteSpec:
     devices: tuple[str, ...] | None = None
     #: Methods matched for paths registered explicitly (routers match methods themselves).
     methods: frozenset[str] = field(default=frozenset({"POST"}))
+    #: Tokens added to OpenAI ``messages`` once per conversation, for the chat template.
+    chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, str):
@@ -54,6 +59,8 @@ class RouteSpec:
             raise ValueError("need 1 <= default_max_new_tokens <= max_new_tokens_cap")
         if self.max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if self.chat_template_tokens < 0:
+            raise ValueError("chat_template_tokens must be >= 0")
 
 
 def gpu_bound(
@@ -67,6 +74,7 @@ def gpu_bound(
     estimator: Estimator | None = None,
     priority: int = 0,
     devices: Sequence[str] | str | None = None,
+    chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS,
 ) -> Callable[[F], F]:
     """Tag an endpoint as GPU-bound. Returns the function itself, so decorator order is free."""
     spec = RouteSpec(
@@ -79,6 +87,7 @@ def gpu_bound(
         estimator=estimator,
         priority=priority,
         devices=tuple(devices) if devices is not None and not isinstance(devices, str) else devices,  # type: ignore[arg-type]
+        chat_template_tokens=chat_template_tokens,
     )
 
     def decorate(endpoint: F) -> F:

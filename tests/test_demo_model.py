@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import unicodedata
 from pathlib import Path
@@ -126,6 +127,36 @@ def test_chat_template_renders_chatml(tokenizer) -> None:
     # Without a system message Qwen2's default one is added, as the real model does.
     bare = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
     assert bare == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+
+
+QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+CHATS = {
+    "one user turn": [{"role": "user", "content": "Hi"}],
+    "system and user": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a river."}],
+    "empty user": [{"role": "user", "content": ""}],
+    "several turns": [
+        {"role": "user", "content": "你好"},
+        {"role": "assistant", "content": "Hello! 123456"},
+        {"role": "user", "content": "Count: 1 2 3 4 5 6 7 8 9 10"},
+    ],
+}
+
+
+@pytest.mark.parametrize("default_system", ["You are a helpful assistant.", QWEN25_DEFAULT_SYSTEM])
+@pytest.mark.parametrize("chat", list(CHATS))
+def test_core_messages_count_covers_the_rendered_chat_template(tokenizer, default_system: str, chat: str) -> None:
+    """The middleware's count for OpenAI ``messages`` (heuristic text + template allowance) is never
+    below the real token count of the ChatML prompt, default system prompt and generation prompt
+    included, for Qwen2's and Qwen2.5's default system prompts."""
+    from gpu_asgi import HeuristicTokenCounter, RouteSpec
+    from gpu_asgi._body import parse_request
+
+    messages = CHATS[chat]
+    template = local_model.CHATML_TEMPLATE.replace("You are a helpful assistant.", default_system)
+    real = len(tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False))
+    (prompt,) = parse_request(json.dumps({"messages": messages}).encode(), RouteSpec()).prompts
+    counted = HeuristicTokenCounter().count(prompt.text) + prompt.known_tokens
+    assert real <= counted <= 2 * real + 32, (chat, real, counted)
 
 
 def test_generate_left_padded_batch(loaded: LoadedModel) -> None:

@@ -117,8 +117,9 @@ async def test_fastapi_dependency_and_defaults() -> None:
     async with client(app) as http:
         response = await http.post("/v1/chat/completions", json={"messages": messages, "n": 3})
     assert response.status_code == 200
-    # words: system + "be brief" + user + "hello there" = 6, plus 5 template tokens per message
-    assert response.json() == {"held": 3 * (16 + 16), "tokens": 16, "batch": 3, "max_new": 16}
+    # words: system + "be brief" + user + "hello there" = 6, plus 5 template tokens per message,
+    # plus 32 once for the template (a default system prompt, the generation prompt)
+    assert response.json() == {"held": 3 * (48 + 16), "tokens": 48, "batch": 3, "max_new": 16}
 
 
 async def test_list_prompts_and_token_ids_form_a_batch() -> None:
