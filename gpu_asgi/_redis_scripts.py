@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, RedisError
 
 from . import _redis_lua as lua
 from ._ledger import MAX_RETRY_AFTER, DeviceStatistics, LedgerStatistics
@@ -17,6 +17,10 @@ from ._ledger import MAX_RETRY_AFTER, DeviceStatistics, LedgerStatistics
 #: Queue scores are ``-priority × 2^40 + sequence``: |priority| stays below 2^12 to keep them exact.
 PRIORITY_LIMIT = 1 << 12
 _KEYS = ("expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot")
+
+
+#: Pause before asking an exhausted non-blocking connection pool again.
+POOL_RETRY_SECONDS = 0.002
 
 
 class RedisDown(Exception):
@@ -102,9 +106,16 @@ class LedgerScripts:
         self._scripts = {name: client.register_script(lua.PRELUDE + body) for name, body in bodies.items()}
 
     async def _run(self, name: str, *args: str | int) -> Any:
+        script = self._scripts[name]
         try:
             async with asyncio.timeout(self.timeout):
-                return await self._scripts[name](keys=self.keys, args=[self._config, self.boot, *args])
+                while True:
+                    try:
+                        return await script(keys=self.keys, args=[self._config, self.boot, *args])
+                    except MaxConnectionsError:
+                        # A caller's client with redis-py's default (non-blocking) pool, all of its
+                        # connections busy: that is a burst, not an outage. Wait for one.
+                        await asyncio.sleep(POOL_RETRY_SECONDS)
         except (RedisError, OSError) as exc:  # OSError covers TimeoutError, ours and the socket's
             raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 

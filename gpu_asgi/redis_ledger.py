@@ -57,8 +57,8 @@ class RedisLedger:
     ``redis.asyncio.Redis`` client. One ledger per process and event loop; call
     ``await ledger.aclose()`` on shutdown (or use ``async with``). A client made from a URL
     has a blocking pool of ``max_connections``: a burst of admissions waits its turn for a
-    connection (within ``redis_timeout``) rather than failing. A client you pass in should
-    have such a pool too; redis-py's default pool raises once 100 connections are busy.
+    connection (within ``redis_timeout``) rather than failing; with a client you pass in whose
+    pool raises when exhausted (redis-py's default), calls retry until one is free.
     """
 
     def __init__(

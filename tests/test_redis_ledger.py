@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -105,6 +106,21 @@ async def test_a_burst_larger_than_the_connection_pool_is_admitted(
     assert ledger.available
     await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
     assert (await ledger.refresh_statistics()).admitted_total == 550
+
+
+async def test_a_client_with_a_small_non_blocking_pool_waits_for_a_connection(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    # A client passed in keeps its own pool; redis-py's default one raises MaxConnectionsError
+    # when every connection is busy. That must read as a burst, not as Redis being down.
+    client = Redis.from_url(redis_server.url, max_connections=4)
+    async with RedisLedger(client, 1_000, namespace=namespace) as ledger:
+        reservations = await asyncio.gather(*(ledger.reserve(1) for _ in range(200)))
+        assert ledger.available
+        for reservation in reservations:
+            reservation.release()
+        await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+    await client.aclose()
 
 
 async def test_places_on_the_device_with_most_free_bytes(make_ledger: MakeLedger) -> None:
