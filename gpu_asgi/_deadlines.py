@@ -9,39 +9,42 @@ cancels those tasks. A read times out between ``timeout`` and ``timeout + tick``
 from __future__ import annotations
 
 import asyncio
-import itertools
+import time
 
 
 class Deadlines:
-    """Tasks to cancel once their deadline passes, checked every ``tick`` seconds."""
+    """Tasks to cancel once their deadline passes, checked every ``tick`` seconds.
+
+    One watched read per task at a time (the middleware reads a body once), so the task itself is
+    the key: no counter, and ``discard`` is one dictionary pop. Deadlines are on ``time.monotonic``,
+    which is cheaper to read than ``loop.time()``; the loop only schedules the sweep.
+    """
 
     def __init__(self, tick: float) -> None:
         self._tick = tick
-        self._entries: dict[int, tuple[float, asyncio.Task[object]]] = {}
-        self._fired: set[int] = set()
-        self._keys = itertools.count()
+        self._entries: dict[asyncio.Task[object], float] = {}
+        self._fired: set[asyncio.Task[object]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
 
-    def add(self, timeout: float) -> int:
+    def add(self, timeout: float) -> asyncio.Task[object]:
         """Watch the current task; returns the key to :meth:`discard` it with."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a new loop (tests, reloads): timers of the old one are gone
             self._loop, self._scheduled = loop, False
             self._entries.clear()
             self._fired.clear()
-        key = next(self._keys)
-        self._entries[key] = (loop.time() + timeout, asyncio.current_task())  # type: ignore[assignment]
+        task: asyncio.Task[object] = asyncio.current_task(loop)  # type: ignore[assignment]
+        self._entries[task] = time.monotonic() + timeout
         if not self._scheduled:
             self._scheduled = True
             loop.call_later(self._tick, self._reap)
-        return key
+        return task
 
-    def discard(self, key: int) -> bool:
+    def discard(self, task: asyncio.Task[object]) -> bool:
         """Stop watching; True when the deadline had fired (the task was cancelled for it)."""
-        self._entries.pop(key, None)
-        if key in self._fired:
-            self._fired.discard(key)
+        if self._entries.pop(task, None) is None and task in self._fired:
+            self._fired.discard(task)
             return True
         return False
 
@@ -49,13 +52,13 @@ class Deadlines:
         loop = self._loop
         if loop is None:
             return
-        now = loop.time()
-        for key, (deadline, task) in list(self._entries.items()):
+        now = time.monotonic()
+        for task, deadline in list(self._entries.items()):
             # The task is suspended inside its read (the entry is discarded before any other
             # await), so the cancellation lands in the read and nowhere else.
             if deadline <= now:
-                del self._entries[key]
-                self._fired.add(key)
+                del self._entries[task]
+                self._fired.add(task)
                 task.cancel()
         if self._entries:
             loop.call_later(self._tick, self._reap)
