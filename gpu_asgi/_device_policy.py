@@ -65,11 +65,14 @@ class ThermalPolicy:
 class DeviceGuard:
     """ "Trust the device": refuse admission when the device's real free memory is too low.
 
-    After the ledger places a request, the guard compares the sampled free memory of that device
-    (plus this process's own allocator slack, see ``DeviceReading.available_bytes``) with the
-    estimate plus ``margin_bytes``. Below it, the reservation is returned and the client gets
-    503 ``device-memory-low`` with ``Retry-After``. Memory used by other processes, fragmentation
-    or an estimator that runs low show up here even when the ledger has room.
+    Before the ledger places a request, the guard compares each candidate device's sampled free
+    memory (plus this process's own allocator slack, see ``DeviceReading.available_bytes``) with
+    the estimate plus ``margin_bytes``; the ledger places the request only on devices that pass.
+    When none does, the client gets 503 ``device-memory-low`` with ``Retry-After`` and the ledger
+    is not touched. A request that waited in the queue is checked again on the device it was
+    granted (its bytes are returned if that device fell short meanwhile). Memory used by other
+    processes, fragmentation or an estimator that runs low show up here even when the ledger has
+    room.
 
     When there is no usable reading (the probe failed, the reading is older than ``max_age``
     seconds, or the device is not in it), ``on_probe_failure`` decides: ``"open"`` admits as if

@@ -234,19 +234,20 @@ class GPUAdmissionMiddleware:
         outcome, reason, device, depth, started = otel.CANCELLED, None, None, 0, 0.0
         pending: asyncio.Future[Message] | None = None
         try:
-            reservation = self.ledger.try_reserve(nbytes, devices=spec.devices)
+            devices = spec.devices if self.device_guard is None else self._trusted_devices(spec, nbytes)
+            reservation = self.ledger.try_reserve(nbytes, devices=devices)
             if reservation is None:
                 # Requests whose reserve() task has not run yet are not in the ledger's count: ours covers them.
                 depth = max(self.ledger.statistics().waiting, self._queued)
                 self._queued += 1
                 started = time.perf_counter()
-                reservation, pending = await self._wait(nbytes, spec, receive)
+                reservation, pending = await self._wait(nbytes, devices, spec.priority, receive)
                 if reservation is None:
                     outcome = otel.DISCONNECTED
                     return None, None
+                if self.device_guard is not None:  # readings may have changed while it waited
+                    self._check_device(reservation, nbytes)
             device = reservation.device
-            if self.device_guard is not None:
-                self._check_device(reservation, nbytes)
             outcome = otel.ADMITTED
             return reservation, pending
         except GPUAdmissionError as error:
@@ -264,8 +265,30 @@ class GPUAdmissionMiddleware:
             if self.metrics is not None:
                 self.metrics.record_decision(outcome, device=device, reason=reason, wait_seconds=waited)
 
+    def _trusted_devices(self, spec: RouteSpec, nbytes: int) -> tuple[str, ...]:
+        """Trust the device: the route's devices whose sampled free memory can take ``nbytes``.
+
+        The ledger then places the request only on those, so a device that another process has
+        filled is passed over rather than refused. With none left, the first refusal is raised.
+        """
+        guard, sampler = self.device_guard, self.sampler
+        assert guard is not None and sampler is not None
+        snapshot, now = sampler.snapshot, sampler.clock()
+        trusted, refusal = [], None
+        for device in spec.devices or self.ledger.devices:
+            error = guard.refusal(device, nbytes, snapshot, now)
+            if error is None:
+                trusted.append(device)
+            elif refusal is None:
+                refusal = error
+        if refusal is not None and not trusted:
+            refusal.retry_after = self.ledger.retry_after(nbytes)
+            raise refusal
+        return tuple(trusted)
+
     def _check_device(self, reservation: Reservation, nbytes: int) -> None:
-        """Trust the device: give the bytes back and refuse when its sampled free memory is too low."""
+        """After a wait in the queue: give the bytes back and refuse when the granted device's
+        sampled free memory has fallen too low meanwhile."""
         guard, sampler = self.device_guard, self.sampler
         assert guard is not None and sampler is not None
         error = guard.refusal(reservation.device, nbytes, sampler.snapshot, sampler.clock())
@@ -275,14 +298,14 @@ class GPUAdmissionMiddleware:
             raise error
 
     async def _wait(
-        self, nbytes: int, spec: RouteSpec, receive: Receive
+        self, nbytes: int, devices: tuple[str, ...] | None, priority: int, receive: Receive
     ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
         """Queue for the bytes while listening for a disconnect.
 
         Returns the reservation and the still-pending ``receive()`` (handed on to the endpoint so
         no message is lost), or ``(None, None)`` when the client disconnected first.
         """
-        reserving = asyncio.ensure_future(self.ledger.reserve(nbytes, devices=spec.devices, priority=spec.priority))
+        reserving = asyncio.ensure_future(self.ledger.reserve(nbytes, devices=devices, priority=priority))
         listening: asyncio.Future[Message] = asyncio.ensure_future(receive())
         try:
             while True:

@@ -30,6 +30,8 @@ from gpu_asgi import (
     health_router,
 )
 
+from ._asgi import wait_until
+
 GIB = 1 << 30
 
 
@@ -79,6 +81,7 @@ async def generate(request: Request) -> JSONResponse:
             "clamped_from": admission.clamped_from,
             "estimated_bytes": admission.estimated_bytes,
             "body_max_new_tokens": body.get("max_new_tokens"),
+            "device": admission.device,
         }
     )
 
@@ -229,10 +232,17 @@ async def test_thermal_clamp_lowers_max_new_tokens_and_says_so() -> None:
         "clamped_from": None,
         "estimated_bytes": 502,
         "body_max_new_tokens": 500,
+        "device": "cuda:0",
     }
     assert "x-gpu-admission-clamped-max-new-tokens" not in cool.headers
     # the endpoint sees the clamped value (the body keeps the client's), the estimate is for 16
-    assert hot.json() == {"max_new_tokens": 16, "clamped_from": 500, "estimated_bytes": 18, "body_max_new_tokens": 500}
+    assert hot.json() == {
+        "max_new_tokens": 16,
+        "clamped_from": 500,
+        "estimated_bytes": 18,
+        "body_max_new_tokens": 500,
+        "device": "cuda:0",
+    }
     assert hot.headers["x-gpu-admission-clamped-max-new-tokens"] == "16"
     assert hot.headers["content-type"] == "application/json"  # the endpoint's own headers are kept
     assert hot_default.json()["max_new_tokens"] == 16 and hot_default.json()["clamped_from"] == 100
@@ -255,7 +265,44 @@ async def test_device_guard_refuses_when_real_free_memory_is_low() -> None:
     problem = refused.json()
     assert problem["available_bytes"] == 700 and problem["required_bytes"] == 701 and problem["device"] == "cuda:0"
     stats = ledger.statistics()
-    assert stats.reserved_bytes == 0 and stats.in_flight == 0  # the bytes went straight back
+    assert stats.reserved_bytes == 0 and stats.in_flight == 0
+    assert stats.admitted_total == 1  # refused before the ledger was asked: nothing to give back
+
+
+async def test_device_guard_passes_over_a_device_another_process_has_filled() -> None:
+    # The ledger alone would pick cuda:0 (more budget free); its real memory says otherwise.
+    ledger = Ledger({"cuda:0": 10_000, "cuda:1": 5_000})
+    probe = SettableProbe(
+        a=DeviceReading("cuda:0", memory_free_bytes=100),  # filled by someone else
+        b=DeviceReading("cuda:1", memory_free_bytes=GIB),
+    )
+    sampler = sampler_for(probe)
+    async with client(app_with(ledger, sampler, device_guard=DeviceGuard(margin_bytes=0))) as http:
+        placed = await http.post("/generate", json={"prompt": "a", "max_new_tokens": 500})
+        probe.set("cuda:1", memory_free_bytes=100)
+        sampler.sample()
+        refused = await http.post("/generate", json={"prompt": "a", "max_new_tokens": 500})
+    assert placed.status_code == 200 and placed.json()["device"] == "cuda:1"
+    assert refused.status_code == 503 and refused.headers["x-gpu-admission-reason"] == "device-memory-low"
+    assert refused.json()["device"] == "cuda:0"  # the first refusal is the one reported
+    assert ledger.statistics().admitted_total == 1
+
+
+async def test_device_guard_checks_again_after_a_wait_in_the_queue() -> None:
+    ledger = Ledger(1_000)
+    probe = SettableProbe(a=DeviceReading("cuda:0", memory_free_bytes=GIB))
+    sampler = sampler_for(probe)
+    holder = await ledger.reserve(1_000)
+    async with client(app_with(ledger, sampler, device_guard=DeviceGuard(margin_bytes=0))) as http:
+        queued = asyncio.ensure_future(http.post("/generate", json={"prompt": "a", "max_new_tokens": 500}))
+        await wait_until(lambda: ledger.statistics().waiting == 1)
+        probe.set("cuda:0", memory_free_bytes=100)  # another process filled the device meanwhile
+        sampler.sample()
+        holder.release()
+        refused = await queued
+    assert refused.status_code == 503 and refused.headers["x-gpu-admission-reason"] == "device-memory-low"
+    stats = ledger.statistics()
+    assert stats.reserved_bytes == 0 and stats.in_flight == 0  # the granted bytes went back
 
 
 def test_policies_need_a_sampler() -> None:
