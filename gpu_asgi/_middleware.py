@@ -33,7 +33,6 @@ from ._types import ASGIApp, Message, Receive, Scope, Send, mark_coroutine_funct
 if TYPE_CHECKING:
     from ._metrics import GPUMetrics
 
-_UNRESOLVED = object()
 _OVERLOAD = (QueueFull, QueueTimeout, DeviceMemoryLow)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -116,15 +115,13 @@ class GPUAdmissionMiddleware:
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         # A plain function handing back the next coroutine: one frame fewer per request than an
         # ``async def`` awaiting it (marked below so servers still see an ASGI 3 app).
-        if scope["type"] == "http":
-            # The resolver's cache, read inline: this is all an untagged request pays.
-            by_method = self._route_cache.get(scope["path"])
-            spec = _UNRESOLVED if by_method is None else by_method.get(scope["method"], _UNRESOLVED)
-            if spec is _UNRESOLVED:
-                spec = self._routes.resolve(scope)
-            if spec is not None:
-                return self._admit(spec, scope, receive, send)  # type: ignore[arg-type]
-        return self.app(scope, receive, send)
+        try:  # the resolver's cache, read inline: this is all an untagged HTTP request pays
+            spec = self._route_cache[scope["path"]][scope["method"]]
+        except KeyError:  # not cached yet, or not HTTP (lifespan has no path, websockets no method)
+            spec = self._routes.resolve(scope) if scope["type"] == "http" else None
+        if spec is None or scope["type"] != "http":
+            return self.app(scope, receive, send)
+        return self._admit(spec, scope, receive, send)
 
     mark_coroutine_function(__call__)
 

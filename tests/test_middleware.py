@@ -203,6 +203,27 @@ async def test_websocket_and_lifespan_pass_through() -> None:
     assert [m["type"] for m in sent] == ["websocket.accept", "websocket.send", "websocket.close"]
 
 
+async def test_only_http_scopes_are_admitted_even_when_their_path_and_method_are_cached() -> None:
+    seen: list[str] = []
+
+    async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    ledger = Ledger(1000)
+    middleware = GPUAdmissionMiddleware(inner, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN,
+                                        routes={"/generate": RouteSpec()})
+    raw = RawClient(middleware, http_scope(), [json.dumps({"prompt": "hi"}).encode()])
+    await raw.start().finish()  # caches ("/generate", "POST") as tagged
+    assert raw.status == 200 and ledger.statistics().admitted_total == 1
+    # A server that (against the spec) puts a method in a websocket scope still gets a pass-through.
+    websocket = {**http_scope(), "type": "websocket", "scheme": "ws", "subprotocols": []}
+    await middleware(websocket, raw.receive, raw.send)
+    assert seen == ["http", "websocket"] and ledger.statistics().admitted_total == 1
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "status", "reason", "detail"),
     [
