@@ -1,4 +1,5 @@
-"""Test helpers: a raw ASGI driver for streaming and disconnect tests (ASGITransport buffers)."""
+"""Test helpers: an in-process HTTP client, a raw ASGI driver for streaming and disconnect tests
+(ASGITransport buffers), waiting helpers and a word-count token counter."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
+
+import httpx
 
 from gpu_asgi._types import ASGIApp, Message
 
@@ -94,3 +97,16 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> Non
         while not predicate():
             await asyncio.sleep(0.001)
 
+
+def client(app: Any) -> httpx.AsyncClient:
+    """An HTTP client that calls ``app`` in process (no server, no socket)."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+class Words:
+    """A token counter for tests: one token per whitespace-separated word."""
+
+    inline_limit = 1 << 30
+
+    def count(self, text: str) -> int:
+        return len(text.split())

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from demo_service import BucketedEstimator, DemoSettings, LoadedModel, create_app
 from gpu_asgi import AnalyticEstimator
 
-from ._asgi import wait_until
+from ._asgi import client, wait_until
 from ._demo import batcher_of, ledger_of, loaded_model, model_dir, running, serving, settings
 
 PROBLEM = "application/problem+json"
@@ -27,9 +27,6 @@ PROBLEM = "application/problem+json"
 def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return loaded_model(model_dir(tmp_path_factory))
 
-
-def client(app: object) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://demo")  # type: ignore[arg-type]
 
 
 def estimate(model: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> int:

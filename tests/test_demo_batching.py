@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 pytest.importorskip("torch")
@@ -14,6 +13,7 @@ from demo_service import Batcher, BucketedEstimator, LoadedModel, Sampling, buck
 from demo_service._decode import SequenceText
 from gpu_asgi import AnalyticEstimator, Ledger
 
+from ._asgi import client
 from ._demo import batcher_of, loaded_model, model_dir, running
 
 PROMPTS = [
@@ -29,9 +29,6 @@ PROMPTS = [
 def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return loaded_model(model_dir(tmp_path_factory))
 
-
-def client(app: object) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://demo")  # type: ignore[arg-type]
 
 
 def ids(model: LoadedModel, text: str) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 pytest.importorskip("torch")
@@ -14,6 +13,7 @@ from demo_service import BucketedEstimator, LoadedModel
 from gpu_asgi import AnalyticEstimator
 
 from . import _redis
+from ._asgi import client
 from ._demo import loaded_model, model_dir, running
 from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
 
@@ -25,9 +25,6 @@ redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
 def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return loaded_model(model_dir(tmp_path_factory))
 
-
-def client(app: object) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://demo")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("shared", [True, False])

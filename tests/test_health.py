@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI
 from starlette.applications import Starlette
@@ -30,7 +29,7 @@ from gpu_asgi import (
     health_router,
 )
 
-from ._asgi import wait_until
+from ._asgi import Words, client, wait_until
 
 GIB = 1 << 30
 
@@ -64,12 +63,6 @@ class Clock:
         return self.now
 
 
-class Words:
-    inline_limit = 1 << 30
-
-    def count(self, text: str) -> int:
-        return len(text.split())
-
 
 @gpu_bound(default_max_new_tokens=100, max_new_tokens_cap=1000)
 async def generate(request: Request) -> JSONResponse:
@@ -101,9 +94,6 @@ def app_with(ledger: Ledger, sampler: DeviceSampler, **options: Any) -> Starlett
     )
     return app
 
-
-def client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
 def sampler_for(probe: SettableProbe, clock: Clock | None = None) -> DeviceSampler:

@@ -31,6 +31,8 @@ from gpu_asgi import (
     health_router,
 )
 
+from ._asgi import Words
+
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,12 +46,6 @@ class OneGPU:
     def close(self) -> None:
         pass
 
-
-class Words:
-    inline_limit = 1 << 30
-
-    def count(self, text: str) -> int:
-        return len(text.split())
 
 
 @gpu_bound()

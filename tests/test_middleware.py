@@ -29,7 +29,7 @@ from gpu_asgi import (
     gpu_reservation,
 )
 
-from ._asgi import RawClient, http_scope, settle, wait_until
+from ._asgi import RawClient, client, http_scope, settle, wait_until
 
 ONE_BYTE_PER_TOKEN = LinearEstimator(bytes_per_token=1)
 
@@ -50,9 +50,6 @@ def make_app(ledger: Ledger, endpoint: Any, *, path: str = "/generate", **option
     app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, **options)
     return app
 
-
-def client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
 @gpu_bound()

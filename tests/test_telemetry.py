@@ -12,7 +12,6 @@ import subprocess
 import sys
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
@@ -28,14 +27,7 @@ from starlette.routing import Route
 from gpu_asgi import DeviceExecutor, GPUAdmissionMiddleware, Ledger, LinearEstimator, gpu_bound, gpu_phase
 from gpu_asgi import _telemetry as otel
 
-from ._asgi import RawClient, http_scope, wait_until
-
-
-class Words:
-    inline_limit = 1 << 30
-
-    def count(self, text: str) -> int:
-        return len(text.split())
+from ._asgi import RawClient, Words, client, http_scope, wait_until
 
 
 def tracing() -> tuple[TracerProvider, InMemorySpanExporter]:
@@ -75,9 +67,6 @@ def starlette_app(ledger: Ledger, provider: TracerProvider, **options: Any) -> S
     )
     return app
 
-
-def client(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
 def generating_app(provider: TracerProvider, *, native: bool, executor: DeviceExecutor) -> FastAPI:
