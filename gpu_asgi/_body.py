@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._deadlines import Deadlines
 from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, UnsupportedMediaType
 from ._tagging import RouteSpec
 from ._types import Receive, Scope
@@ -54,36 +56,41 @@ def check_headers(scope: Scope, max_bytes: int) -> None:
                 )
 
 
-async def read_body(receive: Receive, max_bytes: int, timeout: float) -> bytes | None:
+async def read_body(receive: Receive, max_bytes: int, timeout: float, deadlines: Deadlines) -> bytes | None:
     """The whole body, or None when the client disconnected while sending it.
 
-    The deadline is this request's own (``asyncio.timeout``), so it holds on whichever event loop
-    the request runs.
+    The deadline is watched by the running loop's own sweep (see ``_deadlines``).
     """
     chunks: list[bytes] = []
     size = 0
+    sweep = deadlines.sweep()
+    key = sweep.add(timeout)
     try:
-        async with asyncio.timeout(timeout):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return None
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > max_bytes:
-                    raise BodyTooLarge(f"The body is larger than the limit of {max_bytes} bytes.", limit_bytes=max_bytes)
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
-    except TimeoutError:
-        raise BodyTimeout(f"The body was not received within {timeout:g} s.") from None
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise BodyTooLarge(f"The body is larger than the limit of {max_bytes} bytes.", limit_bytes=max_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+    except asyncio.CancelledError:
+        if sweep.discard(key):
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # our own cancellation
+            raise BodyTimeout(f"The body was not received within {timeout:g} s.") from None
+        raise
+    finally:
+        sweep.discard(key)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def parse_request(body: bytes, spec: RouteSpec, route: str) -> ParsedRequest:
+def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str]) -> ParsedRequest:
     """Parse the JSON body and pull out prompt(s), ``max_new_tokens`` and ``n``.
 
-    ``route`` names the route in errors from the route's own prompt callable.
+    ``route()`` names the route in errors from the route's own prompt callable.
     """
     data = _load_json(body)
     prompts = _extract_prompts(data, spec, route)
@@ -127,13 +134,13 @@ def _load_json(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _extract_prompts(data: dict[str, Any], spec: RouteSpec, route: str) -> list[Prompt]:
+def _extract_prompts(data: dict[str, Any], spec: RouteSpec, route: Callable[[], str]) -> list[Prompt]:
     if callable(spec.prompt):
         try:
             value = spec.prompt(data)
         except Exception as exc:  # the route's own code: whatever it raises, the body did not fit it
             raise InvalidField(
-                f"The prompt could not be read from the body by the prompt callable of {route}: "
+                f"The prompt could not be read from the body by the prompt callable of {route()}: "
                 f"{type(exc).__name__}: {exc}."
             ) from None
         return _prompts_from_value("prompt", value)

@@ -21,6 +21,7 @@ from opentelemetry.trace import Span, TracerProvider
 
 from . import _telemetry as otel
 from ._body import check_headers, parse_request, read_body
+from ._deadlines import Deadlines
 from ._device_policy import CLAMPED_HEADER, DeviceGuard, ThermalPolicy
 from ._errors import DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
 from ._estimate import Estimator
@@ -28,7 +29,7 @@ from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
 from ._responder import Responder, only_answered
 from ._sampler import DeviceSampler
-from ._tagging import RouteSpec, bodyless_tagged_routes
+from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes
 from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens_in_thread
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
@@ -41,8 +42,9 @@ DEFAULT_BODY_TIMEOUT = 30.0
 #: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
 ADMISSION_STATE_KEY = "gpu_admission"
 RESERVATION_STATE_KEY = "gpu_reservation"
-#: Scope key holding the request's responder while a GPUAdmissionMiddleware watches it: a second
-#: (nested) middleware sees it and passes the request through, so nothing is admitted twice.
+#: Scope key set while a GPUAdmissionMiddleware watches the request: a second (nested) middleware
+#: sees it and passes the request through, so nothing is admitted twice. A flag, not the responder:
+#: the responder holds the scope, and a cycle would leave every request to the cyclic GC.
 RESPONDER_SCOPE_KEY = "gpu_asgi.responder"
 ASYNCIO_ONLY = (
     "gpu_asgi runs on asyncio only (its ledger and queue are asyncio objects): "
@@ -132,6 +134,7 @@ class GPUAdmissionMiddleware:
         #: Explicit paths (a pure ASGI host without a router): this table is the host's routing.
         self._explicit = dict(routes or {})
         self._routes_checked = False
+        self._deadlines = Deadlines(tick=min(1.0, max(0.01, body_timeout / 10)))
         self._tracer = otel.get_tracer(tracer_provider)
         self._queued = 0  # requests of this middleware waiting for bytes (queue depth on arrival)
         self.metrics = metrics
@@ -140,18 +143,26 @@ class GPUAdmissionMiddleware:
         self.device_guard = device_guard
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            if scope["type"] == "lifespan":
-                await self._lifespan(scope, receive, send)
-            else:
-                await self.app(scope, receive, send)
+        kind = scope["type"]
+        if kind == "http":
+            if not self._routes_checked:  # no lifespan ran (TestClient without `with`, lifespan off)
+                self._check_routes(scope)
+            # Admission reads the body, and no tagged route accepts a body-less method (checked
+            # above), so GET/HEAD/OPTIONS/TRACE go straight through, as does a request an outer
+            # GPUAdmissionMiddleware already watches.
+            if scope["method"] not in BODYLESS_METHODS and RESPONDER_SCOPE_KEY not in scope:
+                await self._watch(scope, receive, send)
+                return
+        elif kind == "lifespan":
+            await self._lifespan(scope, receive, send)
             return
-        if RESPONDER_SCOPE_KEY in scope:  # an outer GPUAdmissionMiddleware watches this request
-            await self.app(scope, receive, send)
-            return
-        if not self._routes_checked:  # no lifespan ran (TestClient without `with`, lifespan off)
-            self._check_routes(scope)
-        responder = scope[RESPONDER_SCOPE_KEY] = Responder(self, scope, receive, send)
+        await self.app(scope, receive, send)
+
+    async def _watch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Call the app with receive/send wrapped by a :class:`Responder`: the router picks the
+        endpoint, and a tagged one is admitted at its first body read."""
+        scope[RESPONDER_SCOPE_KEY] = True
+        responder = Responder(self, scope, receive, send)
         if self._explicit:
             spec = self._explicit.get(scope["path"])
             if spec is not None and scope["method"] in spec.methods and not await responder.admit(spec):
@@ -191,8 +202,8 @@ class GPUAdmissionMiddleware:
         if bad:
             self._routes_checked = False  # refuse every request until it is fixed
             raise RuntimeError(
-                f"@gpu_bound routes must accept a request body (admission reads it): {', '.join(bad)}. "
-                "Serve them with POST."
+                f"@gpu_bound routes must take only methods with a request body (admission reads it): "
+                f"{', '.join(bad)}. Serve them with POST only."
             )
 
     async def admit(self, spec: RouteSpec, scope: Scope, receive: Receive, send: Send) -> Granted | None:
@@ -210,10 +221,10 @@ class GPUAdmissionMiddleware:
         clamped_from: int | None = None
         try:
             check_headers(scope, self.max_body_bytes)
-            body = await read_body(receive, self.max_body_bytes, self.body_timeout)
+            body = await read_body(receive, self.max_body_bytes, self.body_timeout, self._deadlines)
             if body is None:
                 return None  # the client left while sending: nobody to answer, nothing reserved
-            request = parse_request(body, spec, _route_name(scope))
+            request = parse_request(body, spec, lambda: _route_name(scope))
             max_new_tokens = request.max_new_tokens
             thermal = self.thermal
             if thermal is not None:  # before estimating: the estimate is for the clamped value

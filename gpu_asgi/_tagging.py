@@ -17,6 +17,9 @@ DEFAULT_MAX_NEW_TOKENS_CAP = 4096
 #: Room for what a chat template adds once per conversation: a default system prompt when the
 #: client sent none (Qwen2.5's is 21 tokens with its markers) and the generation prompt (3).
 DEFAULT_CHAT_TEMPLATE_TOKENS = 32
+#: Methods whose requests carry no body by HTTP semantics. Admission reads the body, so a tagged
+#: route may not accept these, and requests with them always pass through (docs/admission.md).
+BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 PromptGetter = Callable[[Any], "str | Sequence[str]"]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -60,6 +63,9 @@ class RouteSpec:
             raise ValueError("max_batch must be at least 1")
         if self.chat_template_tokens < 0:
             raise ValueError("chat_template_tokens must be >= 0")
+        object.__setattr__(self, "methods", frozenset(method.upper() for method in self.methods))
+        if not self.methods or self.methods & BODYLESS_METHODS:
+            raise ValueError(f"methods must be methods with a request body (admission reads it), not {sorted(self.methods)}")
 
 
 def gpu_bound(
@@ -106,13 +112,8 @@ def route_spec_of(endpoint: Any) -> RouteSpec | None:
     return None
 
 
-#: Methods whose requests carry no body by HTTP semantics: a route tagged only for these could never
-#: be admitted, because admission reads the body (see docs/admission.md, "How a route is found").
-BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-
-
 def bodyless_tagged_routes(app: Any) -> list[str]:
-    """``"GET /path"`` for each tagged route of ``app`` that accepts only body-less methods.
+    """``"GET/POST /path"`` for each tagged route of ``app`` that accepts a body-less method.
 
     A declaration check run once at startup, not routing: it walks the routes as declared
     (mounts, hosts and FastAPI's included routers), so a mistake shows before any request.
@@ -139,5 +140,5 @@ def _walk(routes: Iterable[Any], prefix: str, found: list[str]) -> None:
             _walk(children, path, found)
             continue
         methods = getattr(route, "methods", None)
-        if methods and methods <= BODYLESS_METHODS and route_spec_of(getattr(route, "endpoint", None)) is not None:
+        if methods and methods & BODYLESS_METHODS and route_spec_of(getattr(route, "endpoint", None)) is not None:
             found.append(f"{'/'.join(sorted(methods))} {path}")

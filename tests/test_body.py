@@ -1,4 +1,4 @@
-"""Body reading under its own deadline: timeouts are ours, other cancellations pass through."""
+"""Body reading under deadlines (one sweep per loop), headers and JSON as FastAPI reads them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from gpu_asgi import BodyTimeout, BodyTooLarge, InvalidJSON, RouteSpec
 from gpu_asgi._body import check_headers, parse_request, read_body
+from gpu_asgi._deadlines import Deadlines
 
 from ._asgi import http_scope
 
@@ -19,10 +20,12 @@ async def never() -> dict[str, object]:
 
 
 async def test_a_read_past_its_deadline_times_out_and_the_task_goes_on() -> None:
+    deadlines = Deadlines(tick=0.01)
     with pytest.raises(BodyTimeout):
-        await read_body(never, 100, 0.03)
-    await asyncio.sleep(0)  # the task was not left cancelled: it keeps running normally
+        await read_body(never, 100, 0.03, deadlines)
+    await asyncio.sleep(0.05)  # the task was uncancelled: it keeps running normally
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    assert not deadlines.sweep()._entries and not deadlines.sweep()._fired
 
 
 async def test_an_outside_cancellation_is_not_turned_into_a_timeout() -> None:
@@ -32,21 +35,26 @@ async def test_an_outside_cancellation_is_not_turned_into_a_timeout() -> None:
         started.set()
         return await never()
 
-    task = asyncio.ensure_future(read_body(receive, 100, 10.0))
+    deadlines = Deadlines(tick=0.01)
+    task = asyncio.ensure_future(read_body(receive, 100, 10.0, deadlines))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert not deadlines.sweep()._entries
 
 
-async def test_fast_reads_are_joined() -> None:
+async def test_fast_reads_are_not_touched_by_the_reaper() -> None:
+    deadlines = Deadlines(tick=0.01)
     messages = iter([{"type": "http.request", "body": b"ab", "more_body": True},
                      {"type": "http.request", "body": b"cd", "more_body": False}])
 
     async def receive() -> dict[str, object]:
         return next(messages)
 
-    assert await read_body(receive, 100, 0.01) == b"abcd"
+    assert await read_body(receive, 100, 0.01, deadlines) == b"abcd"
+    await asyncio.sleep(0.05)  # the reaper runs, finds nothing, and stops rescheduling
+    assert not deadlines.sweep()._scheduled
 
 
 async def test_oversized_chunked_body_is_refused_while_reading() -> None:
@@ -56,18 +64,19 @@ async def test_oversized_chunked_body_is_refused_while_reading() -> None:
         return next(chunks)
 
     with pytest.raises(BodyTooLarge):
-        await read_body(receive, 100, 1.0)
+        await read_body(receive, 100, 1.0, Deadlines(tick=0.5))
 
 
 def test_deadlines_hold_on_every_event_loop_at_once() -> None:
     """Two threads, two loops, reading at the same time: each read times out on its own loop
-    (the old process-wide sweep was bound to the first loop and never fired on the second)."""
+    (the old process-wide sweep was bound to one loop and never fired on the other)."""
     outcomes: list[str] = []
+    deadlines = Deadlines(tick=0.01)  # one for both loops, as one middleware has
 
     def run() -> None:
         async def main() -> None:
             try:
-                await read_body(never, 100, 0.05)
+                await read_body(never, 100, 0.05, deadlines)
             except BodyTimeout:
                 outcomes.append("timeout")
 
@@ -106,19 +115,19 @@ def test_what_fastapi_parses_is_parsed(body: bytes) -> None:
     import json
 
     expected = json.loads(body)
-    assert [p.text for p in parse_request(body, RouteSpec(), "POST /x").prompts] == [expected["prompt"]]
+    assert [p.text for p in parse_request(body, RouteSpec(), lambda: "POST /x").prompts] == [expected["prompt"]]
 
 
 @pytest.mark.parametrize(("field", "value", "expected"), [("max_tokens", 16.0, 16), ("max_completion_tokens", 3.0, 3)])
 def test_integer_valued_floats_count_as_integers(field: str, value: float, expected: int) -> None:
     """As a pydantic ``int`` field takes them."""
-    parsed = parse_request(f'{{"prompt": "a", "{field}": {value}, "n": 2.0}}'.encode(), RouteSpec(), "POST /x")
+    parsed = parse_request(f'{{"prompt": "a", "{field}": {value}, "n": 2.0}}'.encode(), RouteSpec(), lambda: "POST /x")
     assert (parsed.max_new_tokens, parsed.n) == (expected, 2)
 
 
 def test_openai_precedence_for_the_token_fields() -> None:
     """``max_new_tokens`` first, then OpenAI's ``max_completion_tokens`` before the deprecated ``max_tokens``."""
     both = b'{"prompt": "a", "max_tokens": 9, "max_completion_tokens": 5}'
-    assert parse_request(both, RouteSpec(), "POST /x").max_new_tokens == 5
+    assert parse_request(both, RouteSpec(), lambda: "POST /x").max_new_tokens == 5
     three = b'{"prompt": "a", "max_tokens": 9, "max_completion_tokens": 5, "max_new_tokens": 7}'
-    assert parse_request(three, RouteSpec(), "POST /x").max_new_tokens == 7
+    assert parse_request(three, RouteSpec(), lambda: "POST /x").max_new_tokens == 7

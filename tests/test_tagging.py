@@ -29,6 +29,9 @@ def test_invalid_specs_are_refused() -> None:
         RouteSpec(default_max_new_tokens=100, max_new_tokens_cap=10)
     with pytest.raises(ValueError):
         RouteSpec(max_batch=0)
+    with pytest.raises(ValueError, match="request body"):
+        RouteSpec(methods=frozenset({"GET", "POST"}))
+    assert RouteSpec(methods=frozenset({"put"})).methods == {"PUT"}
 
 
 def test_bodyless_tagged_routes_are_found_wherever_they_are_declared() -> None:
@@ -51,7 +54,11 @@ def test_bodyless_tagged_routes_are_found_wherever_they_are_declared() -> None:
     @gpu_bound()
     async def mounted_get(request: object) -> None: ...
 
-    sub = Starlette(routes=[Route("/gen", mounted_get, methods=["GET"]), Route("/post", mounted_get, methods=["POST"])])
+    sub = Starlette(routes=[
+        Route("/gen", mounted_get, methods=["GET"]),
+        Route("/post", mounted_get, methods=["POST"]),
+        Route("/both", mounted_get, methods=["GET", "POST"]),
+    ])
     parent = Starlette(routes=[Mount("/fa", app=app), Mount("/st", app=sub)])
-    assert bodyless_tagged_routes(parent) == ["GET /fa/api/v1/inner", "GET/HEAD /st/gen"]
+    assert bodyless_tagged_routes(parent) == ["GET /fa/api/v1/inner", "GET/HEAD /st/gen", "GET/HEAD/POST /st/both"]
     assert bodyless_tagged_routes(object()) == []  # a pure ASGI app: nothing declared to check
