@@ -27,7 +27,7 @@ from ._errors import DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
 from ._estimate import Estimator
 from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
-from ._responder import Responder, only_answered
+from ._responder import Responder, caused_by_answer
 from ._sampler import DeviceSampler
 from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes
 from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens_in_thread
@@ -170,7 +170,7 @@ class GPUAdmissionMiddleware:
         try:
             await self.app(scope, responder.receive, responder.send)
         except BaseException as error:
-            if not only_answered(error):
+            if not caused_by_answer(error):
                 raise
         finally:
             responder.finish()
@@ -274,12 +274,13 @@ class GPUAdmissionMiddleware:
         return reservation, body, pending, clamp_header
 
     async def answer_unread(self, scope: Scope, send: Send) -> None:
-        """A tagged endpoint started its response without reading its body, so it ran unadmitted."""
+        """A tagged endpoint started its response without reading its body (or its body was read
+        before the router ran, by something inside the app), so it ran unadmitted."""
         route = _route_name(scope)
         logger.error("%s is tagged @gpu_bound but answered without reading its body: it ran unadmitted", route)
         error = _UnreadBody(
-            f"{route} is tagged @gpu_bound but its endpoint answered without reading the request body; "
-            "admission happens when the body is read (FastAPI: declare a body parameter)."
+            f"{route} is tagged @gpu_bound but its endpoint answered without reading the request body "
+            "after routing; admission happens at that read (FastAPI: declare a body parameter)."
         )
         await send_problem(send, error, instance=scope.get("path", ""))
 

@@ -31,10 +31,14 @@ class Answered(BaseException):
     """
 
 
-def only_answered(error: BaseException) -> bool:
-    """True for :class:`Answered`, or a group (anyio task groups) made only of it."""
+def caused_by_answer(error: BaseException) -> bool:
+    """True for :class:`Answered`, or a group (anyio task groups) holding it.
+
+    The other members of such a group are what our signal set off on its way out, such as a
+    ``BaseHTTPMiddleware``'s "No response returned": the client already has gpu_asgi's answer.
+    """
     if isinstance(error, BaseExceptionGroup):
-        return all(only_answered(inner) for inner in error.exceptions)
+        return any(caused_by_answer(inner) for inner in error.exceptions)
     return isinstance(error, Answered)
 
 
@@ -52,7 +56,10 @@ def matched_spec(scope: Scope) -> RouteSpec | None:
 class Responder:
     """Per-request state; :meth:`receive` and :meth:`send` are what the app is given."""
 
-    __slots__ = ("_body", "_clamp", "_middleware", "_pending", "_receive", "_reservation", "_scope", "_send", "_state")
+    __slots__ = (
+        "_body", "_clamp", "_entry_endpoint", "_middleware", "_pending", "_receive", "_reservation", "_scope", "_send",
+        "_state",
+    )
 
     def __init__(self, middleware: GPUAdmissionMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
         self._middleware = middleware
@@ -60,6 +67,8 @@ class Responder:
         self._receive = receive
         self._send = send
         self._state = _UNDECIDED
+        #: An outer router's choice (a parent's Mount names this app): not our router's decision.
+        self._entry_endpoint = scope.get("endpoint")
         self._reservation: Reservation | None = None
         self._body: bytes | None = None
         self._pending: Any = None  # the receive() still running from the queue wait, if any
@@ -87,7 +96,10 @@ class Responder:
         if state == _UNDECIDED:
             spec = matched_spec(self._scope)
             if spec is None:
-                self._state = _PASS
+                if self._scope.get("endpoint") is not self._entry_endpoint:
+                    self._state = _PASS  # routed to an untagged endpoint: step aside for good
+                # else not routed yet (something before the router reads the body): decide later,
+                # so the check in send() still catches a tagged endpoint that runs after it
                 return await self._receive()
             if not await self.admit(spec):
                 raise Answered

@@ -737,3 +737,66 @@ async def test_a_utf8_bom_body_is_admitted_as_fastapi_parses_it() -> None:
         response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 200, response.text
     assert response.json() == {"prompt_chars": 3, "held": 4}
+
+
+@pytest.mark.parametrize("outer", ["gpu_asgi", "logging"])
+async def test_a_refusal_through_a_base_http_middleware_is_our_answer_and_nothing_else(outer: str) -> None:
+    """BaseHTTPMiddleware runs the app in a task group: the refusal signal comes out of it in a
+    group, beside its own "No response returned"; the client gets the 422 and nothing raises."""
+    from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+    from starlette.responses import Response
+
+    class Logging(BaseHTTPMiddleware):
+        async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+            return await call_next(request)
+
+    ledger = Ledger(1000)
+    app = Starlette(routes=[Route("/generate", echo, methods=["POST"])])
+    middlewares: list[tuple[Any, dict[str, Any]]] = [
+        (Logging, {}), (GPUAdmissionMiddleware, {"ledger": ledger, "estimator": ONE_BYTE_PER_TOKEN, "token_counter": Counter()}),
+    ]
+    for middleware, options in middlewares if outer == "gpu_asgi" else middlewares[::-1]:
+        app.add_middleware(middleware, **options)
+    async with client(app) as http:  # raises if anything escapes the app
+        ok = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+        refused = await http.post("/generate", json={"prompt": 5})
+    assert ok.status_code == 200 and ok.json()["held"] == 4
+    assert refused.status_code == 422 and refused.json()["type"] == "urn:gpu-asgi:problem:invalid-field"
+
+
+async def test_a_body_read_before_routing_does_not_let_a_tagged_endpoint_run_silently() -> None:
+    """Something inside the app reads the body before the router: the endpoint's own read never
+    reaches gpu_asgi, so it is not admitted; that is a 500 route-not-admitted, not a quiet 200."""
+
+    def read_early(app: Any) -> Any:
+        async def middleware(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            body, more = b"", True
+            while more:  # before routing: no endpoint in the scope yet
+                message = await receive()
+                body, more = body + message.get("body", b""), message.get("more_body", False)
+            replayed = False
+
+            async def replay() -> dict[str, Any]:
+                nonlocal replayed
+                if replayed:
+                    return await receive()  # type: ignore[no-any-return]
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            await app(scope, replay, send)
+
+        return middleware
+
+    @gpu_bound()
+    async def generate(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(f"generated from {len(await request.body())} bytes")  # would run unadmitted
+
+    ledger = Ledger(1000)
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+    app.add_middleware(read_early)
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        response = await http.post("/generate", json={"prompt": "a b"})
+    assert response.status_code == 500
+    assert response.json()["type"] == "urn:gpu-asgi:problem:route-not-admitted"
+    assert ledger.statistics().admitted_total == 0
