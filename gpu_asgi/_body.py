@@ -87,7 +87,7 @@ async def read_body(receive: Receive, max_bytes: int, timeout: float, deadlines:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str]) -> ParsedRequest:
+def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str] | None = None) -> ParsedRequest:
     """Parse the JSON body and pull out prompt(s), ``max_new_tokens`` and ``n``.
 
     ``route()`` names the route in errors from the route's own prompt callable.
@@ -134,13 +134,13 @@ def _load_json(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _extract_prompts(data: dict[str, Any], spec: RouteSpec, route: Callable[[], str]) -> list[Prompt]:
+def _extract_prompts(data: dict[str, Any], spec: RouteSpec, route: Callable[[], str] | None) -> list[Prompt]:
     if callable(spec.prompt):
         try:
             value = spec.prompt(data)
         except Exception as exc:  # the route's own code: whatever it raises, the body did not fit it
             raise InvalidField(
-                f"The prompt could not be read from the body by the prompt callable of {route()}: "
+                f"The prompt could not be read from the body by the prompt callable of {'this route' if route is None else route()}: "
                 f"{type(exc).__name__}: {exc}."
             ) from None
         return _prompts_from_value("prompt", value)
