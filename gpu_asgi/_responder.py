@@ -9,6 +9,7 @@ and the same bytes are replayed; for an untagged one the server's messages pass 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from ._ledger import Reservation
@@ -91,7 +92,20 @@ class Responder:
         if self._pending is not None:
             self._pending.cancel()
 
-    async def receive(self) -> Message:
+    def receive(self) -> Awaitable[Message]:
+        """The app's ``receive``. Once the request is known untagged, the server's own call,
+        with no coroutine of ours in between: that is all an untagged request pays per message."""
+        if self._state == _PASS:
+            return self._receive()
+        return self._receive_watched()
+
+    def send(self, message: Message) -> Awaitable[None]:
+        """The app's ``send``; the server's own call once the request is known untagged."""
+        if self._state == _PASS:
+            return self._send(message)
+        return self._send_watched(message)
+
+    async def _receive_watched(self) -> Message:
         state = self._state
         if state == _UNDECIDED:
             spec = matched_spec(self._scope)
@@ -118,7 +132,7 @@ class Responder:
             raise Answered
         return await self._receive()
 
-    async def send(self, message: Message) -> None:
+    async def _send_watched(self, message: Message) -> None:
         state = self._state
         if state == _ADMITTED:
             kind = message["type"]
