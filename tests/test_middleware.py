@@ -800,3 +800,33 @@ async def test_a_body_read_before_routing_does_not_let_a_tagged_endpoint_run_sil
     assert response.status_code == 500
     assert response.json()["type"] == "urn:gpu-asgi:problem:route-not-admitted"
     assert ledger.statistics().admitted_total == 0
+
+
+async def test_background_tasks_run_after_the_bytes_are_released() -> None:
+    """Documented: Starlette runs background tasks after the last body chunk, and the bytes go
+    back with that chunk, so a background task must not use the device."""
+    from starlette.background import BackgroundTask
+
+    ledger = Ledger(1000)
+    seen: list[int] = []
+
+    @gpu_bound()
+    async def generate(request: Request) -> PlainTextResponse:
+        await request.body()
+        seen.append(ledger.statistics().reserved_bytes)
+        return PlainTextResponse("done", background=BackgroundTask(lambda: seen.append(ledger.statistics().reserved_bytes)))
+
+    async with client(make_app(ledger, generate)) as http:
+        response = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+    assert response.status_code == 200
+    assert seen == [4, 0]
+
+
+async def test_an_empty_prompt_string_is_accepted_and_the_message_says_so() -> None:
+    ledger = Ledger(1000)
+    async with client(make_app(ledger, echo)) as http:
+        empty = await http.post("/generate", json={"prompt": "", "max_new_tokens": 2})
+        empty_list = await http.post("/generate", json={"prompt": []})
+    assert empty.status_code == 200 and empty.json()["prompt_tokens"] == 0
+    assert empty_list.status_code == 422
+    assert "'prompt' must be a string, a non-empty list of strings" in empty_list.json()["detail"]
