@@ -1,11 +1,11 @@
 """``GPUAdmissionMiddleware``: the request path of a GPU-bound route, top to bottom.
 
-The app's router picks the route; when the chosen endpoint is tagged and first reads its body
-(see ``_responder``), then: headers checked → body buffered → JSON parsed → tokens counted → bytes estimated →
-bytes reserved (or queued, watching for a disconnect, or rejected) → endpoint called with the
-same body bytes → reservation released exactly once, at the first of: last body chunk sent,
-endpoint return, exception or cancellation (a client disconnect ends the endpoint; the bytes come
-back when its work has stopped, not while a model thread may still use them).
+The app's router picks the endpoint; when a tagged one first reads its body (see ``_responder``):
+headers checked → body buffered → JSON parsed → tokens counted → bytes estimated → bytes reserved
+(or queued, watching for a disconnect, or refused) → the same body bytes handed to that read →
+reservation released exactly once, at the first of: last body chunk sent, endpoint return,
+exception or cancellation (a client disconnect ends the endpoint; the bytes come back when its
+work has stopped, not while a model thread may still use them).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class GPUAdmissionMiddleware:
     ``app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(budget), estimator=...)``.
     The app's own router decides which endpoint runs; a tagged one is admitted when it first reads
     its body. Untagged routes and websockets pass straight through; lifespan too, after a check
-    that the loop is asyncio and no tagged route accepts only body-less methods.
+    that the loop is asyncio and that no tagged route accepts a body-less method.
     """
 
     def __init__(
@@ -195,7 +195,7 @@ class GPUAdmissionMiddleware:
             await send({"type": "lifespan.startup.failed", "message": problem})
 
     def _check_routes(self, scope: Scope) -> None:
-        """Once: a route tagged only for body-less methods could never be admitted; say so."""
+        """Once: a tagged route that accepts a body-less method could run unadmitted; refuse it."""
         self._routes_checked = True
         app = self.app if hasattr(self.app, "router") else scope.get("app")
         bad = bodyless_tagged_routes(app)
