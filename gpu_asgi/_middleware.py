@@ -172,6 +172,8 @@ class GPUAdmissionMiddleware:
         except BaseException as error:
             if not caused_by_answer(error):
                 raise
+            if isinstance(error, BaseExceptionGroup):  # what else our signal set off, for whoever looks
+                logger.debug("after gpu_asgi answered %s, the app raised", _route_name(scope), exc_info=error)
         finally:
             responder.finish()
 
