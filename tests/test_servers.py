@@ -37,13 +37,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start(command: list[str], port: int) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def start(command: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as output:  # a file, not a pipe: readable while the server runs, never full
+        process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            output = process.stdout.read().decode(errors="replace") if process.stdout else ""
-            raise AssertionError(f"{command[2]} exited at startup ({process.returncode}):\n{output}")
+            raise AssertionError(f"{command[2]} exited at startup ({process.returncode}):\n{log.read_text()}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return process
@@ -63,18 +63,20 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="module", params=sorted(SERVERS))
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
-    process = start(SERVERS[request.param](port), port)
+    log = tmp_path_factory.mktemp(request.param) / "server.log"
+    process = start(SERVERS[request.param](port), port, log)
     try:
-        yield Server(port)
+        yield Server(port, log)
     finally:
         stop(process)
 
 
 class Server:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, log: Path) -> None:
         self.port = port
+        self.log = log
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
 
     def stats(self) -> dict[str, Any]:
@@ -152,6 +154,15 @@ def test_a_client_that_leaves_while_queued_is_never_admitted(server: Server) -> 
     assert after["calls"].get("count", 0) == before["calls"].get("count", 0), "the endpoint never ran"
     assert after["admitted"] == before["admitted"] + 1, "only the holder was admitted"
     server.wait_for(lambda stats: stats["reserved"] == 0)
+
+
+def test_a_refusal_is_our_problem_and_leaves_no_traceback_in_the_server_log(server: Server) -> None:
+    refused = server.http.post("/count", json={"prompt": 42})
+    too_big = server.http.post("/count", json={"prompt": "a", "max_new_tokens": 1000})  # more than the budget
+    assert (refused.status_code, too_big.status_code) == (422, 413)
+    assert refused.headers["content-type"] == too_big.headers["content-type"] == "application/problem+json"
+    time.sleep(0.2)  # let the server flush whatever it would log
+    assert "Traceback" not in server.log.read_text(errors="replace")
 
 
 def test_hypercorn_with_trio_refuses_to_start_and_says_why() -> None:
