@@ -45,7 +45,7 @@ RESERVATION_STATE_KEY = "gpu_reservation"
 #: Scope key set while a GPUAdmissionMiddleware watches the request: a second (nested) middleware
 #: sees it and passes the request through, so nothing is admitted twice. A flag, not the responder:
 #: the responder holds the scope, and a cycle would leave every request to the cyclic GC.
-RESPONDER_SCOPE_KEY = "gpu_asgi.responder"
+WATCHED_SCOPE_KEY = "gpu_asgi.watched"
 ASYNCIO_ONLY = (
     "gpu_asgi runs on asyncio only (its ledger and queue are asyncio objects): "
     "serve the app on an asyncio event loop (uvicorn, hypercorn's default asyncio worker, granian)."
@@ -150,7 +150,7 @@ class GPUAdmissionMiddleware:
             # Admission reads the body, and no tagged route accepts a body-less method (checked
             # above), so GET/HEAD/OPTIONS/TRACE go straight through, as does a request an outer
             # GPUAdmissionMiddleware already watches.
-            if scope["method"] not in BODYLESS_METHODS and RESPONDER_SCOPE_KEY not in scope:
+            if scope["method"] not in BODYLESS_METHODS and WATCHED_SCOPE_KEY not in scope:
                 await self._watch(scope, receive, send)
                 return
         elif kind == "lifespan":
@@ -161,7 +161,7 @@ class GPUAdmissionMiddleware:
     async def _watch(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Call the app with receive/send wrapped by a :class:`Responder`: the router picks the
         endpoint, and a tagged one is admitted at its first body read."""
-        scope[RESPONDER_SCOPE_KEY] = True
+        scope[WATCHED_SCOPE_KEY] = True
         responder = Responder(self, scope, receive, send)
         if self._explicit:
             spec = self._explicit.get(scope["path"])

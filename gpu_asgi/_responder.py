@@ -9,8 +9,9 @@ and the same bytes are replayed; for an untagged one the server's messages pass 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._ledger import Reservation
 from ._tagging import RouteSpec, route_spec_of
@@ -72,7 +73,7 @@ class Responder:
         self._entry_endpoint = scope.get("endpoint")
         self._reservation: Reservation | None = None
         self._body: bytes | None = None
-        self._pending: Any = None  # the receive() still running from the queue wait, if any
+        self._pending: asyncio.Future[Message] | None = None  # receive() still running from the queue wait
         self._clamp: tuple[bytes, bytes] | None = None
 
     async def admit(self, spec: RouteSpec) -> bool:
@@ -124,7 +125,7 @@ class Responder:
                 return {"type": "http.request", "body": body, "more_body": False}
             if self._pending is not None:
                 waiting, self._pending = self._pending, None
-                return await waiting  # type: ignore[no-any-return]
+                return await waiting
             # A disconnect does not release here: a model call may still be using the memory in
             # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
             # and finish() releases once the endpoint has really stopped.
