@@ -1,4 +1,8 @@
-"""Reach the admission from an endpoint: ``Depends(gpu_reservation)`` or ``request.state``."""
+"""Reach the admission from an endpoint: ``Depends(gpu_reservation)`` or ``request.state``.
+
+Admission happens when the endpoint's body is first read: FastAPI reads it before it resolves
+dependencies when the endpoint declares a body parameter; a Starlette endpoint reads it itself.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,9 @@ def gpu_admission(request: HTTPConnection) -> Admission:
     admission = request.scope.get("state", {}).get(ADMISSION_STATE_KEY)
     if admission is None:
         raise RuntimeError(
-            "This request was not admitted by GPUAdmissionMiddleware: tag the route with @gpu_bound "
-            "and add the middleware with app.add_middleware(GPUAdmissionMiddleware, ...)."
+            "This request has not been admitted by GPUAdmissionMiddleware. Admission happens when the "
+            "body is first read: read it before asking (`await request.body()`; in FastAPI declare a "
+            "body parameter). Also check that the route is tagged with @gpu_bound and the middleware added."
         )
     return admission  # type: ignore[no-any-return]
 

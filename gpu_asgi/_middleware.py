@@ -1,17 +1,19 @@
 """``GPUAdmissionMiddleware``: the request path of a GPU-bound route, top to bottom.
 
-headers checked → body buffered → JSON parsed → tokens counted → bytes estimated →
-bytes reserved (or queued, watching for a disconnect, or rejected) → endpoint called with the
-same body bytes → reservation released exactly once, at the first of: last body chunk sent,
-endpoint return, exception or cancellation (a client disconnect ends the endpoint; the bytes come
-back when its work has stopped, not while a model thread may still use them).
+The app's router picks the endpoint; when a tagged one first reads its body (see ``_responder``):
+headers checked → body buffered → JSON parsed → tokens counted → bytes estimated → bytes reserved
+(or queued, watching for a disconnect, or refused) → the same body bytes handed to that read →
+reservation released exactly once, at the first of: last body chunk sent, endpoint return,
+exception or cancellation (a client disconnect ends the endpoint; the bytes come back when its
+work has stopped, not while a model thread may still use them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,10 +27,11 @@ from ._errors import DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
 from ._estimate import Estimator
 from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
+from ._responder import Responder, caused_by_answer
 from ._sampler import DeviceSampler
-from ._tagging import DEFAULT_ROUTE_CACHE_SIZE, RouteResolver, RouteSpec
+from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes
 from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens_in_thread
-from ._types import ASGIApp, Message, Receive, Scope, Send, mark_coroutine_function
+from ._types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from ._metrics import GPUMetrics
@@ -39,6 +42,25 @@ DEFAULT_BODY_TIMEOUT = 30.0
 #: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
 ADMISSION_STATE_KEY = "gpu_admission"
 RESERVATION_STATE_KEY = "gpu_reservation"
+#: Scope key set while a GPUAdmissionMiddleware watches the request: a second (nested) middleware
+#: sees it and passes the request through, so nothing is admitted twice. A flag, not the responder:
+#: the responder holds the scope, and a cycle would leave every request to the cyclic GC.
+WATCHED_SCOPE_KEY = "gpu_asgi.watched"
+ASYNCIO_ONLY = (
+    "gpu_asgi runs on asyncio only (its ledger and queue are asyncio objects): "
+    "serve the app on an asyncio event loop (uvicorn, hypercorn's default asyncio worker, granian)."
+)
+
+logger = logging.getLogger("gpu_asgi")
+
+
+class _UnreadBody(GPUAdmissionError):
+    status, reason, title = 500, "route-not-admitted", "A GPU-bound route answered without being admitted"
+
+
+#: What admission hands the responder: the reservation, the body to replay, the receive() still
+#: pending from the queue wait, and the thermal clamp header (if any).
+Granted = tuple[Reservation, bytes, "asyncio.Future[Message] | None", "tuple[bytes, bytes] | None"]
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs a microsecond on the hot path
@@ -66,11 +88,19 @@ class Admission:
             self._metrics.record_peak(self.device, self.estimated_bytes, nbytes)
 
 
+def _route_name(scope: Scope) -> str:
+    """``POST /v1/{model}/generate``: the matched route's path template, else the request path."""
+    path = getattr(scope.get("route"), "path", None) or scope.get("path", "")
+    return f"{scope.get('method', '')} {path}".strip()
+
+
 class GPUAdmissionMiddleware:
     """Admit requests to ``@gpu_bound`` routes against a VRAM byte budget.
 
     ``app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(budget), estimator=...)``.
-    Untagged routes, websockets and lifespan pass straight through.
+    The app's own router decides which endpoint runs; a tagged one is admitted when it first reads
+    its body. Untagged routes and websockets pass straight through; lifespan too, after a check
+    that the loop is asyncio and that no tagged route accepts a body-less method.
     """
 
     def __init__(
@@ -84,7 +114,6 @@ class GPUAdmissionMiddleware:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         reject_status: int = 503,
-        route_cache_size: int = DEFAULT_ROUTE_CACHE_SIZE,
         tracer_provider: TracerProvider | None = None,
         metrics: GPUMetrics | None = None,
         sampler: DeviceSampler | None = None,
@@ -102,8 +131,9 @@ class GPUAdmissionMiddleware:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.reject_status = reject_status
-        self._routes = RouteResolver(routes, route_cache_size, wrapped=app)
-        self._route_cache = self._routes.cache
+        #: Explicit paths (a pure ASGI host without a router): this table is the host's routing.
+        self._explicit = dict(routes or {})
+        self._routes_checked = False
         self._deadlines = Deadlines(tick=min(1.0, max(0.01, body_timeout / 10)))
         self._tracer = otel.get_tracer(tracer_provider)
         self._queued = 0  # requests of this middleware waiting for bytes (queue depth on arrival)
@@ -112,20 +142,79 @@ class GPUAdmissionMiddleware:
         self.thermal = thermal
         self.device_guard = device_guard
 
-    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
-        # A plain function handing back the next coroutine: one frame fewer per request than an
-        # ``async def`` awaiting it (marked below so servers still see an ASGI 3 app).
-        try:  # the resolver's cache, read inline: this is all an untagged HTTP request pays
-            spec = self._route_cache[scope["path"]][scope["method"]]
-        except KeyError:  # not cached yet, or not HTTP (lifespan has no path, websockets no method)
-            spec = self._routes.resolve(scope) if scope["type"] == "http" else None
-        if spec is None or scope["type"] != "http":
-            return self.app(scope, receive, send)
-        return self._admit(spec, scope, receive, send)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            if not self._routes_checked:  # no lifespan ran (TestClient without `with`, lifespan off)
+                self._check_routes(scope)
+            # Admission reads the body, and no tagged route accepts a body-less method (checked
+            # above), so GET/HEAD/OPTIONS/TRACE go straight through, as does a request an outer
+            # GPUAdmissionMiddleware already watches.
+            if scope["method"] not in BODYLESS_METHODS and WATCHED_SCOPE_KEY not in scope:
+                await self._watch(scope, receive, send)
+                return
+        elif kind == "lifespan":
+            await self._lifespan(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
-    mark_coroutine_function(__call__)
+    async def _watch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Call the app with receive/send wrapped by a :class:`Responder`: the router picks the
+        endpoint, and a tagged one is admitted at its first body read."""
+        scope[WATCHED_SCOPE_KEY] = True
+        responder = Responder(self, scope, receive, send)
+        if self._explicit:
+            spec = self._explicit.get(scope["path"])
+            if spec is not None and scope["method"] in spec.methods and not await responder.admit(spec):
+                return
+        try:
+            await self.app(scope, responder.receive, responder.send)
+        except BaseException as error:
+            if not caused_by_answer(error):
+                raise
+            if isinstance(error, BaseExceptionGroup):  # what else our signal set off, for whoever looks
+                logger.debug("after gpu_asgi answered %s, the app raised", _route_name(scope), exc_info=error)
+        finally:
+            responder.finish()
 
-    async def _admit(self, spec: RouteSpec, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Refuse to start (``lifespan.startup.failed``) on a loop or routes gpu_asgi cannot serve."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # trio (hypercorn --worker-class trio), or another non-asyncio loop
+            problem: str | None = ASYNCIO_ONLY
+        else:
+            try:
+                self._check_routes(scope)
+                problem = None
+            except RuntimeError as error:
+                problem = str(error)
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        logger.error("%s", problem)
+        if (await receive())["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.failed", "message": problem})
+
+    def _check_routes(self, scope: Scope) -> None:
+        """Once: a tagged route that accepts a body-less method could run unadmitted; refuse it."""
+        self._routes_checked = True
+        app = self.app if hasattr(self.app, "router") else scope.get("app")
+        bad = bodyless_tagged_routes(app)
+        if bad:
+            self._routes_checked = False  # refuse every request until it is fixed
+            raise RuntimeError(
+                f"@gpu_bound routes must take only methods with a request body (admission reads it): "
+                f"{', '.join(bad)}. Serve them with POST only."
+            )
+
+    async def admit(self, spec: RouteSpec, scope: Scope, receive: Receive, send: Send) -> Granted | None:
+        """Read the body, estimate and reserve: what the endpoint gets, or None once gpu_asgi has
+        answered the request itself (a refusal) or the client has left (nothing reserved)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(ASYNCIO_ONLY) from None
         metrics = self.metrics
         if metrics is not None:
             metrics.ensure_refreshing()
@@ -136,8 +225,8 @@ class GPUAdmissionMiddleware:
             check_headers(scope, self.max_body_bytes)
             body = await read_body(receive, self.max_body_bytes, self.body_timeout, self._deadlines)
             if body is None:
-                return  # the client left while sending: nobody to answer, nothing reserved
-            request = parse_request(body, spec)
+                return None  # the client left while sending: nobody to answer, nothing reserved
+            request = parse_request(body, spec, lambda: _route_name(scope))
             max_new_tokens = request.max_new_tokens
             thermal = self.thermal
             if thermal is not None:  # before estimating: the estimate is for the clamped value
@@ -162,7 +251,7 @@ class GPUAdmissionMiddleware:
             if metrics is not None:
                 metrics.record_rejection(error.reason)
             await self._answer(send, scope, error)
-            return
+            return None
         span = self._tracer.start_span(otel.QUEUE_WAIT_SPAN)  # not made current: the endpoint's spans are siblings
         if span.is_recording():
             attributes = otel.queue_wait_attributes(
@@ -173,9 +262,9 @@ class GPUAdmissionMiddleware:
             reservation, pending = await self._reserve(span, nbytes, spec, receive)
         except GPUAdmissionError as error:
             await self._answer(send, scope, error)
-            return
+            return None
         if reservation is None:
-            return  # disconnected while queued: never admitted
+            return None  # disconnected while queued: never admitted
 
         admission = Admission(reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics)
         state = scope.get("state")
@@ -183,37 +272,19 @@ class GPUAdmissionMiddleware:
             scope["state"] = state = {}
         state[ADMISSION_STATE_KEY] = admission
         state[RESERVATION_STATE_KEY] = reservation
-        replayed = False
-
-        async def receive_replay() -> Message:
-            nonlocal replayed, pending
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            if pending is not None:
-                waiting, pending = pending, None
-                return await waiting
-            # A disconnect does not release here: a model call may still be using the memory in
-            # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
-            # and the ``finally`` below releases once the endpoint has really stopped.
-            return await receive()
-
         clamp_header = None if clamped_from is None else (CLAMPED_HEADER, str(max_new_tokens).encode("ascii"))
+        return reservation, body, pending, clamp_header
 
-        async def send_releasing(message: Message) -> None:
-            if clamp_header is not None and message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), clamp_header]}
-            await send(message)
-            kind = message["type"]
-            if (kind == "http.response.body" and not message.get("more_body", False)) or kind == "http.response.pathsend":
-                reservation.release()
-
-        try:
-            await self.app(scope, receive_replay, send_releasing)
-        finally:
-            reservation.release()
-            if pending is not None:
-                pending.cancel()
+    async def answer_unread(self, scope: Scope, send: Send) -> None:
+        """A tagged endpoint started its response without reading its body (or its body was read
+        before the router ran, by something inside the app), so it ran unadmitted."""
+        route = _route_name(scope)
+        logger.error("%s is tagged @gpu_bound but answered without reading its body: it ran unadmitted", route)
+        error = _UnreadBody(
+            f"{route} is tagged @gpu_bound but its endpoint answered without reading the request body "
+            "after routing; admission happens at that read (FastAPI: declare a body parameter)."
+        )
+        await send_problem(send, error, instance=scope.get("path", ""))
 
     async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError) -> None:
         # 429 (when configured) is for overload only; a ledger or probe outage stays a 503.

@@ -1,23 +1,25 @@
-"""Route tagging: ``@gpu_bound``, the per-route spec, and route resolution with a cache."""
+"""Route tagging: ``@gpu_bound``, the per-route spec, and how a matched endpoint names its spec."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ._estimate import Estimator
-from ._types import Scope
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
 DEFAULT_PROMPT_FIELDS = ("prompt", "messages")
-DEFAULT_MAX_TOKENS_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+#: OpenAI reads ``max_completion_tokens`` before the deprecated ``max_tokens``.
+DEFAULT_MAX_TOKENS_FIELDS = ("max_new_tokens", "max_completion_tokens", "max_tokens")
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_MAX_NEW_TOKENS_CAP = 4096
-DEFAULT_ROUTE_CACHE_SIZE = 4096
 #: Room for what a chat template adds once per conversation: a default system prompt when the
 #: client sent none (Qwen2.5's is 21 tokens with its markers) and the generation prompt (3).
 DEFAULT_CHAT_TEMPLATE_TOKENS = 32
+#: Methods whose requests carry no body by HTTP semantics. Admission reads the body, so a tagged
+#: route may not accept these, and requests with them always pass through (docs/admission.md).
+BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 PromptGetter = Callable[[Any], "str | Sequence[str]"]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -61,6 +63,9 @@ class RouteSpec:
             raise ValueError("max_batch must be at least 1")
         if self.chat_template_tokens < 0:
             raise ValueError("chat_template_tokens must be >= 0")
+        object.__setattr__(self, "methods", frozenset(method.upper() for method in self.methods))
+        if not self.methods or self.methods & BODYLESS_METHODS:
+            raise ValueError(f"methods must be methods with a request body (admission reads it), not {sorted(self.methods)}")
 
 
 def gpu_bound(
@@ -107,84 +112,33 @@ def route_spec_of(endpoint: Any) -> RouteSpec | None:
     return None
 
 
-#: Methods cached per path; answers for further (invented) method names are looked up each time.
-MAX_METHODS_PER_PATH = 16
+def bodyless_tagged_routes(app: Any) -> list[str]:
+    """``"GET/POST /path"`` for each tagged route of ``app`` that accepts a body-less method.
 
-
-class RouteResolver:
-    """Finds the spec for a request before the router runs, and caches the answer.
-
-    The middleware sits in front of the router, so it asks the app's routes itself
-    (``route.matches(scope)``, recursing into mounts). Answers are cached per path, then per
-    method: two lookups by strings whose hashes are cached, cheaper than hashing a (method,
-    path) tuple on every untagged request. The cache is bounded by paths, because path
-    parameters make paths unbounded.
+    A declaration check run once at startup, not routing: it walks the routes as declared
+    (mounts, hosts and FastAPI's included routers), so a mistake shows before any request.
     """
-
-    def __init__(
-        self,
-        explicit: Mapping[str, RouteSpec] | None = None,
-        cache_size: int = DEFAULT_ROUTE_CACHE_SIZE,
-        *,
-        wrapped: Any = None,
-    ) -> None:
-        self._explicit = dict(explicit or {})
-        #: The app the middleware wraps: its router is asked when the scope names no app, as when
-        #: the middleware wraps a Starlette/FastAPI app from outside instead of ``add_middleware``.
-        self._wrapped = wrapped
-        #: path -> {method -> spec or None}. ``path`` is the full path (root_path included), so it
-        #: names routes of this app. Readable directly for a lookup without a call.
-        self.cache: dict[str, dict[str, RouteSpec | None]] = {}
-        self._cache_size = cache_size
-
-    def resolve(self, scope: Scope) -> RouteSpec | None:
-        path, method = scope["path"], scope["method"]
-        by_method = self.cache.get(path)
-        if by_method is None:
-            if len(self.cache) >= self._cache_size:
-                del self.cache[next(iter(self.cache))]  # evict the oldest path
-            by_method = self.cache[path] = {}
-        elif method in by_method:
-            return by_method[method]
-        spec = self._lookup(scope)
-        if len(by_method) < MAX_METHODS_PER_PATH:  # clients choose method names: keep them bounded too
-            by_method[method] = spec
-        return spec
-
-    def _lookup(self, scope: Scope) -> RouteSpec | None:
-        spec = self._explicit.get(scope["path"])
-        if spec is not None:
-            return spec if scope["method"] in spec.methods else None
-        router = getattr(scope.get("app"), "router", None) or getattr(self._wrapped, "router", None)
-        routes = getattr(router, "routes", None)
-        return _match_routes(routes, scope) if routes is not None else None
+    router = getattr(app, "router", None)
+    routes = getattr(router, "routes", None)
+    if routes is None:
+        routes = getattr(app, "routes", None)
+    found: list[str] = []
+    _walk(routes or (), "", found)
+    return found
 
 
-def _match_routes(routes: Iterable[Any], scope: Scope) -> RouteSpec | None:
-    from starlette.routing import Match  # starlette is a hard dependency; import kept local to the cold path
-
+def _walk(routes: Iterable[Any], prefix: str, found: list[str]) -> None:
     for route in routes:
-        match, child_scope = route.matches(scope)
-        if match is Match.FULL:  # NONE, or PARTIAL (wrong method): the router keeps looking too, then answers 405
-            return _spec_of_matched(route, scope, child_scope)
-    return None
-
-
-def _spec_of_matched(route: Any, scope: Scope, child_scope: Scope) -> RouteSpec | None:
-    sub_routes = getattr(route, "routes", None)
-    if sub_routes is not None:  # Mount or Host: look inside, with the path it consumed
-        inner_scope = {**scope, **child_scope}
-        inner_scope.pop("endpoint", None)
-        return _match_routes(sub_routes, inner_scope)
-    if "endpoint" in child_scope:
-        return route_spec_of(child_scope["endpoint"])
-    # FastAPI (>= 0.16x) includes routers lazily: the included router matches without naming the
-    # endpoint, and only its (private) ``_match`` selects the route. tests/test_tagging.py guards this.
-    select = getattr(route, "_match", None)
-    if select is not None:
-        from starlette.routing import Match
-
-        match, inner_child, inner, _ = select(scope)
-        if match is Match.FULL and inner is not None:
-            return _spec_of_matched(inner, scope, inner_child)
-    return None
+        included = getattr(route, "original_router", None)  # FastAPI's include_router(...)
+        if included is not None:
+            context = getattr(route, "include_context", None)
+            _walk(included.routes, prefix + getattr(context, "prefix", ""), found)
+            continue
+        path = prefix + getattr(route, "path", "")
+        children = getattr(route, "routes", None)  # Mount, Host, a mounted app
+        if children is not None:
+            _walk(children, path, found)
+            continue
+        methods = getattr(route, "methods", None)
+        if methods and methods & BODYLESS_METHODS and route_spec_of(getattr(route, "endpoint", None)) is not None:
+            found.append(f"{'/'.join(sorted(methods))} {path}")

@@ -1,44 +1,47 @@
-"""Body reading under deadlines: timeouts are ours, other cancellations pass through."""
+"""Body reading under deadlines (one sweep per loop), headers and JSON as FastAPI reads them."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from gpu_asgi import BodyTimeout, BodyTooLarge
-from gpu_asgi._body import read_body
+from gpu_asgi import BodyTimeout, BodyTooLarge, InvalidJSON, RouteSpec
+from gpu_asgi._body import check_headers, parse_request, read_body
 from gpu_asgi._deadlines import Deadlines
+
+from ._asgi import http_scope
+
+
+async def never() -> dict[str, object]:
+    await asyncio.Event().wait()
+    raise AssertionError
 
 
 async def test_a_read_past_its_deadline_times_out_and_the_task_goes_on() -> None:
     deadlines = Deadlines(tick=0.01)
-
-    async def never() -> dict[str, object]:
-        await asyncio.Event().wait()
-        raise AssertionError
-
     with pytest.raises(BodyTimeout):
         await read_body(never, 100, 0.03, deadlines)
     await asyncio.sleep(0.05)  # the task was uncancelled: it keeps running normally
-    assert not deadlines._entries and not deadlines._fired
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    assert not deadlines.sweep()._entries and not deadlines.sweep()._fired
 
 
 async def test_an_outside_cancellation_is_not_turned_into_a_timeout() -> None:
-    deadlines = Deadlines(tick=0.01)
     started = asyncio.Event()
 
-    async def never() -> dict[str, object]:
+    async def receive() -> dict[str, object]:
         started.set()
-        await asyncio.Event().wait()
-        raise AssertionError
+        return await never()
 
-    task = asyncio.ensure_future(read_body(never, 100, 10.0, deadlines))
+    deadlines = Deadlines(tick=0.01)
+    task = asyncio.ensure_future(read_body(receive, 100, 10.0, deadlines))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert not deadlines._entries
+    assert not deadlines.sweep()._entries
 
 
 async def test_fast_reads_are_not_touched_by_the_reaper() -> None:
@@ -51,7 +54,7 @@ async def test_fast_reads_are_not_touched_by_the_reaper() -> None:
 
     assert await read_body(receive, 100, 0.01, deadlines) == b"abcd"
     await asyncio.sleep(0.05)  # the reaper runs, finds nothing, and stops rescheduling
-    assert not deadlines._scheduled
+    assert not deadlines.sweep()._scheduled
 
 
 async def test_oversized_chunked_body_is_refused_while_reading() -> None:
@@ -62,3 +65,69 @@ async def test_oversized_chunked_body_is_refused_while_reading() -> None:
 
     with pytest.raises(BodyTooLarge):
         await read_body(receive, 100, 1.0, Deadlines(tick=0.5))
+
+
+def test_deadlines_hold_on_every_event_loop_at_once() -> None:
+    """Two threads, two loops, reading at the same time: each read times out on its own loop
+    (the old process-wide sweep was bound to one loop and never fired on the other)."""
+    outcomes: list[str] = []
+    deadlines = Deadlines(tick=0.01)  # one for both loops, as one middleware has
+
+    def run() -> None:
+        async def main() -> None:
+            try:
+                await read_body(never, 100, 0.05, deadlines)
+            except BodyTimeout:
+                outcomes.append("timeout")
+
+        asyncio.run(asyncio.wait_for(main(), 5))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert outcomes == ["timeout", "timeout"]
+
+
+@pytest.mark.parametrize("value", [b"+21", b"1_0", b"-4912", b" 12", b"", b"0x10", "١٢".encode()])
+def test_content_length_is_digits_only(value: bytes) -> None:
+    """RFC 9110: Content-Length = 1*DIGIT. ``int()`` would have taken the first four."""
+    with pytest.raises(InvalidJSON, match="digits only"):
+        check_headers(http_scope(headers=[(b"content-length", value)]), 1000)
+
+
+def test_content_length_digits_pass() -> None:
+    check_headers(http_scope(headers=[(b"content-length", b"0100")]), 1000)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'\xef\xbb\xbf{"prompt": "bom"}',  # a UTF-8 BOM
+        b'{"prompt": "lone \\udc80 surrogate"}',
+        b'{"prompt": "nan", "temperature": NaN}',
+        '{"prompt": "utf-16"}'.encode("utf-16"),
+    ],
+)
+def test_what_fastapi_parses_is_parsed(body: bytes) -> None:
+    """Starlette's ``Request.json()`` (FastAPI's parser) is ``json.loads`` on the bytes."""
+    import json
+
+    expected = json.loads(body)
+    assert [p.text for p in parse_request(body, RouteSpec(), lambda: "POST /x").prompts] == [expected["prompt"]]
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), [("max_tokens", 16.0, 16), ("max_completion_tokens", 3.0, 3)])
+def test_integer_valued_floats_count_as_integers(field: str, value: float, expected: int) -> None:
+    """As a pydantic ``int`` field takes them."""
+    parsed = parse_request(f'{{"prompt": "a", "{field}": {value}, "n": 2.0}}'.encode(), RouteSpec(), lambda: "POST /x")
+    assert (parsed.max_new_tokens, parsed.n) == (expected, 2)
+
+
+def test_openai_precedence_for_the_token_fields() -> None:
+    """``max_new_tokens`` first, then OpenAI's ``max_completion_tokens`` before the deprecated ``max_tokens``."""
+    both = b'{"prompt": "a", "max_tokens": 9, "max_completion_tokens": 5}'
+    assert parse_request(both, RouteSpec(), lambda: "POST /x").max_new_tokens == 5
+    three = b'{"prompt": "a", "max_tokens": 9, "max_completion_tokens": 5, "max_new_tokens": 7}'
+    assert parse_request(three, RouteSpec(), lambda: "POST /x").max_new_tokens == 7

@@ -66,6 +66,7 @@ class Clock:
 
 @gpu_bound(default_max_new_tokens=100, max_new_tokens_cap=1000)
 async def generate(request: Request) -> JSONResponse:
+    await request.body()  # admission happens at the first body read
     admission = request.state.gpu_admission
     body = await request.json()
     return JSONResponse(

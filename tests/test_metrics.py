@@ -50,6 +50,7 @@ class OneGPU:
 
 @gpu_bound()
 async def generate(request: Request) -> JSONResponse:
+    await request.body()  # admission happens at the first body read
     admission = request.state.gpu_admission
     admission.report_peak_bytes(admission.estimated_bytes // 2)  # measured half of the estimate
     return JSONResponse({"ok": True})

@@ -54,8 +54,8 @@ def make_app(ledger: Ledger, endpoint: Any, *, path: str = "/generate", **option
 
 @gpu_bound()
 async def echo(request: Request) -> JSONResponse:
+    body = await request.body()  # admission happens at this first read
     admission: Admission = request.state.gpu_admission
-    body = await request.body()
     return JSONResponse(
         {
             "body": body.decode(),
@@ -133,6 +133,7 @@ async def test_route_estimator_and_prompt_getter_override_the_defaults() -> None
 
     @gpu_bound(prompt=lambda body: body["input"]["text"], estimator=LinearEstimator(bytes_per_token=10, fixed_bytes=5))
     async def custom(request: Request) -> JSONResponse:
+        await request.body()
         return JSONResponse({"held": request.state.gpu_reservation.nbytes})
 
     async with client(make_app(ledger, custom)) as http:
@@ -258,6 +259,7 @@ async def test_bad_input_gets_a_problem_and_never_reaches_the_endpoint(
 
     @gpu_bound()
     async def endpoint(request: Request) -> PlainTextResponse:
+        await request.body()  # admission happens here: a refusal ends the endpoint at this line
         called.append(True)
         return PlainTextResponse("should not run")
 
@@ -340,6 +342,7 @@ async def test_queued_request_is_admitted_when_bytes_come_back() -> None:
 def streaming_endpoint(gate: asyncio.Event, chunks: int = 3) -> Any:
     @gpu_bound()
     async def stream(request: Request) -> StreamingResponse:
+        await request.body()  # admission happens at the first body read
         async def tokens() -> Any:
             for index in range(chunks):
                 await gate.wait()
@@ -404,6 +407,7 @@ async def test_endpoint_exception_releases_the_reservation() -> None:
 
     @gpu_bound()
     async def broken(request: Request) -> PlainTextResponse:
+        await request.body()  # admission happens at the first body read
         assert ledger.statistics().reserved_bytes > 0
         raise RuntimeError("model exploded")
 
@@ -437,6 +441,7 @@ async def test_client_that_disconnects_while_queued_is_never_admitted() -> None:
 
     @gpu_bound()
     async def endpoint(request: Request) -> PlainTextResponse:
+        await request.body()  # admission happens at the first body read
         called.append(True)
         return PlainTextResponse("no")
 
@@ -456,6 +461,7 @@ async def test_endpoint_can_release_early_and_let_the_next_request_in() -> None:
 
     @gpu_bound()
     async def early(request: Request) -> StreamingResponse:
+        await request.body()  # admission happens at the first body read
         reservation: Reservation = request.state.gpu_reservation
         reservation.shrink(10)  # outputs are on the host: keep only what streaming needs
 
@@ -546,6 +552,7 @@ async def test_disconnect_keeps_the_bytes_until_the_model_thread_stops() -> None
 
     @gpu_bound()
     async def stream(request: Request) -> StreamingResponse:
+        await request.body()  # admission happens at the first body read
         async def tokens() -> Any:
             yield b"first"
             yield await executor.run(generate)
@@ -580,3 +587,246 @@ async def test_429_is_for_overload_only_an_outage_stays_503() -> None:
     assert response.status_code == 503
     assert response.headers["x-gpu-admission-reason"] == "ledger-unavailable"
     assert response.headers["retry-after"] == "2"
+
+
+async def test_any_exception_from_a_prompt_callable_is_a_422_naming_the_route() -> None:
+    ledger = Ledger(1000)
+
+    @gpu_bound(prompt=lambda body: body.get("input", {}).get("text", ""))
+    async def nested(request: Request) -> PlainTextResponse:
+        await request.body()
+        return PlainTextResponse("ran")
+
+    app = Starlette(routes=[Route("/v1/{model}/generate", nested, methods=["POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        response = await http.post("/v1/qwen/generate", json={"input": None})  # None.get: AttributeError
+    assert response.status_code == 422
+    assert response.headers["content-type"] == "application/problem+json"
+    detail = response.json()["detail"]
+    assert "POST /v1/{model}/generate" in detail and "AttributeError" in detail
+    assert ledger.statistics().admitted_total == 0
+
+
+async def test_a_tagged_endpoint_that_answers_without_reading_its_body_is_an_error_not_a_silent_pass(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ledger = Ledger(1000)
+
+    @gpu_bound()
+    async def lazy(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ran without reading")
+
+    async with client(make_app(ledger, lazy)) as http:
+        response = await http.post("/generate", json={"prompt": "a"})
+    assert response.status_code == 500
+    assert response.json()["type"] == "urn:gpu-asgi:problem:route-not-admitted"
+    assert "without reading" in caplog.text
+    assert ledger.statistics().admitted_total == 0
+
+
+async def test_a_tagged_route_for_get_only_refuses_to_start() -> None:
+    from contextlib import asynccontextmanager
+
+    from fastapi import APIRouter
+
+    started: list[bool] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # type: ignore[no-untyped-def]
+        started.append(True)
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/generate")
+    @gpu_bound()
+    async def by_query(prompt: str) -> dict[str, str]:
+        return {"prompt": prompt}
+
+    app.include_router(router)
+    app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(100), estimator=ONE_BYTE_PER_TOKEN)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "GET /v1/generate" in sent[0]["message"] and not started
+    # Without a lifespan, the first request says the same instead of running the route unadmitted.
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://t") as http:
+        response = await http.get("/v1/generate", params={"prompt": "hi"})
+    assert response.status_code == 500
+
+
+def test_a_trio_host_fails_at_startup_with_a_clear_message() -> None:
+    import trio
+
+    async def ok(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    app = make_app(Ledger(100), ok)
+    sent: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        async def receive() -> dict[str, Any]:
+            return {"type": "lifespan.startup"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+
+    trio.run(main)
+    assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
+    assert "asyncio only" in sent[0]["message"]
+
+
+async def test_nested_middlewares_admit_once() -> None:
+    ledger = Ledger(1000)
+    inner = make_app(ledger, echo)
+    app = GPUAdmissionMiddleware(inner, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        response = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+    assert response.status_code == 200 and response.json()["held"] == 4
+    assert ledger.statistics().admitted_total == 1
+
+
+def test_one_middleware_on_two_event_loops_times_out_slow_bodies_on_both() -> None:
+    """Each request's body deadline is its own, whichever loop (thread) it runs on."""
+    app = make_app(Ledger(1000), echo, body_timeout=0.1)
+    statuses: list[int | None] = []
+    both_reading = threading.Barrier(2)
+
+    def serve_one() -> None:
+        async def main() -> None:
+            raw = RawClient(app, http_scope(), [])
+            raw.incoming.put_nowait({"type": "http.request", "body": b'{"prompt":', "more_body": True})
+            raw.start()
+            await asyncio.to_thread(both_reading.wait, 5)  # the two reads overlap in time
+            await raw.finish(timeout=5)
+            statuses.append(raw.status)
+
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=serve_one) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert statuses == [408, 408]
+
+
+async def test_a_utf8_bom_body_is_admitted_as_fastapi_parses_it() -> None:
+    ledger = Ledger(1000)
+    app = FastAPI()
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+
+    @app.post("/generate")
+    @gpu_bound()
+    async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
+        return {"prompt_chars": len(payload["prompt"]), "held": reservation.nbytes}
+
+    body = b'\xef\xbb\xbf{"prompt": "a \\udc80", "max_tokens": 2.0}'
+    async with client(app) as http:
+        response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"prompt_chars": 3, "held": 4}
+
+
+@pytest.mark.parametrize("outer", ["gpu_asgi", "logging"])
+async def test_a_refusal_through_a_base_http_middleware_is_our_answer_and_nothing_else(outer: str) -> None:
+    """BaseHTTPMiddleware runs the app in a task group: the refusal signal comes out of it in a
+    group, beside its own "No response returned"; the client gets the 422 and nothing raises."""
+    from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+    from starlette.responses import Response
+
+    class Logging(BaseHTTPMiddleware):
+        async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+            return await call_next(request)
+
+    ledger = Ledger(1000)
+    app = Starlette(routes=[Route("/generate", echo, methods=["POST"])])
+    middlewares: list[tuple[Any, dict[str, Any]]] = [
+        (Logging, {}), (GPUAdmissionMiddleware, {"ledger": ledger, "estimator": ONE_BYTE_PER_TOKEN, "token_counter": Counter()}),
+    ]
+    for middleware, options in middlewares if outer == "gpu_asgi" else middlewares[::-1]:
+        app.add_middleware(middleware, **options)
+    async with client(app) as http:  # raises if anything escapes the app
+        ok = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+        refused = await http.post("/generate", json={"prompt": 5})
+    assert ok.status_code == 200 and ok.json()["held"] == 4
+    assert refused.status_code == 422 and refused.json()["type"] == "urn:gpu-asgi:problem:invalid-field"
+
+
+async def test_a_body_read_before_routing_does_not_let_a_tagged_endpoint_run_silently() -> None:
+    """Something inside the app reads the body before the router: the endpoint's own read never
+    reaches gpu_asgi, so it is not admitted; that is a 500 route-not-admitted, not a quiet 200."""
+
+    def read_early(app: Any) -> Any:
+        async def middleware(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            body, more = b"", True
+            while more:  # before routing: no endpoint in the scope yet
+                message = await receive()
+                body, more = body + message.get("body", b""), message.get("more_body", False)
+            replayed = False
+
+            async def replay() -> dict[str, Any]:
+                nonlocal replayed
+                if replayed:
+                    return await receive()  # type: ignore[no-any-return]
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            await app(scope, replay, send)
+
+        return middleware
+
+    @gpu_bound()
+    async def generate(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(f"generated from {len(await request.body())} bytes")  # would run unadmitted
+
+    ledger = Ledger(1000)
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+    app.add_middleware(read_early)
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        response = await http.post("/generate", json={"prompt": "a b"})
+    assert response.status_code == 500
+    assert response.json()["type"] == "urn:gpu-asgi:problem:route-not-admitted"
+    assert ledger.statistics().admitted_total == 0
+
+
+async def test_background_tasks_run_after_the_bytes_are_released() -> None:
+    """Documented: Starlette runs background tasks after the last body chunk, and the bytes go
+    back with that chunk, so a background task must not use the device."""
+    from starlette.background import BackgroundTask
+
+    ledger = Ledger(1000)
+    seen: list[int] = []
+
+    @gpu_bound()
+    async def generate(request: Request) -> PlainTextResponse:
+        await request.body()
+        seen.append(ledger.statistics().reserved_bytes)
+        return PlainTextResponse("done", background=BackgroundTask(lambda: seen.append(ledger.statistics().reserved_bytes)))
+
+    async with client(make_app(ledger, generate)) as http:
+        response = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+    assert response.status_code == 200
+    assert seen == [4, 0]
+
+
+async def test_an_empty_prompt_string_is_accepted_and_the_message_says_so() -> None:
+    ledger = Ledger(1000)
+    async with client(make_app(ledger, echo)) as http:
+        empty = await http.post("/generate", json={"prompt": "", "max_new_tokens": 2})
+        empty_list = await http.post("/generate", json={"prompt": []})
+    assert empty.status_code == 200 and empty.json()["prompt_tokens"] == 0
+    assert empty_list.status_code == 422
+    assert "'prompt' must be a string, a non-empty list of strings" in empty_list.json()["detail"]

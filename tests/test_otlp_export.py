@@ -122,6 +122,7 @@ def instrumented_app(provider: TracerProvider, executor: DeviceExecutor) -> Fast
     @app.post("/v1/generate")
     @gpu_bound()
     async def generate(request: Request) -> dict[str, str]:
+        await request.body()  # admission happens at the first body read
         admission = request.state.gpu_admission
 
         def work() -> str:

@@ -25,6 +25,7 @@ own_redis_server, namespace = _redis.own_redis_server, _redis.namespace  # fixtu
 def admitting_app(ledger: RedisLedger) -> Starlette:
     @gpu_bound()
     async def generate(request: Request) -> PlainTextResponse:
+        await request.body()  # admission happens at the first body read
         return PlainTextResponse("generated")
 
     app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])

@@ -44,6 +44,7 @@ async def test_client_that_disconnects_while_queued_leaves_the_queue() -> None:
 
     @gpu_bound()
     async def generate(request: Request) -> PlainTextResponse:
+        await request.body()  # admission happens at the first body read
         called.append(True)
         return PlainTextResponse("generated")
 
@@ -74,6 +75,7 @@ async def test_client_that_disconnects_mid_stream_frees_its_bytes() -> None:
 
     @gpu_bound()
     async def stream(request: Request) -> StreamingResponse:
+        await request.body()  # admission happens at the first body read
         async def tokens() -> AsyncIterator[bytes]:
             while True:
                 yield b"token "
@@ -95,12 +97,13 @@ async def test_client_that_disconnects_mid_stream_frees_its_bytes() -> None:
 
 
 async def test_uvicorn_serves_the_middleware_as_the_outermost_asgi3_app() -> None:
-    # __call__ is a plain function returning a coroutine; uvicorn must still detect ASGI 3
-    # (it would otherwise call it as ASGI 2, with the scope alone, and fail every request).
+    # The wrapped app (no add_middleware) served directly: uvicorn must detect ASGI 3 (it would
+    # otherwise call it as ASGI 2, with the scope alone, and fail every request).
     ledger = Ledger(1000)
 
     @gpu_bound()
     async def generate(request: Request) -> PlainTextResponse:
+        await request.body()  # admission happens at the first body read
         return PlainTextResponse(f"held {request.state.gpu_reservation.nbytes}")
 
     async def plain(request: Request) -> PlainTextResponse:

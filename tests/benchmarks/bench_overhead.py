@@ -3,13 +3,13 @@
     python -m tests.benchmarks.bench_overhead [--requests 20000] [--rounds 7]
 
 Requests go straight into the ASGI app (no network, no HTTP client), so the difference is the
-middleware's own cost. Bare and wrapped apps run in alternating rounds of one process; the
-reported ratio is the median over rounds of (wrapped throughput / bare throughput).
+middleware's own cost. Bare and wrapped apps run in alternating rounds of one process.
 
-A reference row, ``floor``, wraps the Starlette app in ``FloorAdmission`` instead: the least any
-admission middleware must do before a tagged endpoint runs (parse the JSON, count, reserve, replay
-the body, release), with none of the checks a real one needs. It is not a product; it shows how
-close to the bare app admission can get at all.
+Targets: an untagged route keeps >= 0.97 of the bare app's throughput (median over rounds of
+wrapped / bare); a tagged request's own cost (µs per request over the bare app) is at most 3x
+that of ``FloorAdmission``, measured in the same rounds. ``FloorAdmission`` is the least any
+admission middleware must do before a tagged endpoint runs (parse the JSON, count, reserve,
+replay the body, release), with none of the checks a real one needs. It is not a product.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ async def plain(request: Request) -> PlainTextResponse:
     return PlainTextResponse("ok")
 
 
+async def upload(request: Request) -> PlainTextResponse:
+    body = await request.body()  # an untagged route with a body: the responder looks, then steps aside
+    return PlainTextResponse(str(len(body)))
+
+
 @gpu_bound()
 async def generate(request: Request) -> PlainTextResponse:
     body = await request.body()  # the trivial endpoint reads its body, with or without the middleware
@@ -63,6 +68,10 @@ def build_fastapi() -> FastAPI:
     @app.post("/generate")
     @gpu_bound()
     async def generate_fastapi(body: GenerateIn) -> dict[str, int]:
+        return {"chars": len(body.prompt)}
+
+    @app.post("/upload")
+    async def upload_fastapi(body: GenerateIn) -> dict[str, int]:
         return {"chars": len(body.prompt)}
 
     return app
@@ -98,7 +107,9 @@ def build(with_middleware: bool | str, framework: str = "starlette") -> Starlett
     if framework == "fastapi":
         app = build_fastapi()
     else:
-        app = Starlette(routes=[Route("/plain", plain), Route("/generate", generate, methods=["POST"])])
+        app = Starlette(routes=[
+            Route("/plain", plain), Route("/generate", generate, methods=["POST"]), Route("/upload", upload, methods=["POST"]),
+        ])
     if with_middleware == "floor":
         app.add_middleware(FloorAdmission, ledger=Ledger(1 << 40))
     elif with_middleware:
@@ -116,6 +127,10 @@ def scope_for(path: str, method: str, app: Starlette) -> dict[str, Any]:
     }
 
 
+#: Requests between two turns of the event loop (a sleep(0)); every variant gets the same.
+LOOP_TURN_EVERY = 100
+
+
 async def drive(app: Starlette, path: str, method: str, requests: int) -> float:
     """Requests per second for ``requests`` sequential calls."""
     template = scope_for(path, method, app)
@@ -130,48 +145,58 @@ async def drive(app: Starlette, path: str, method: str, requests: int) -> float:
             statuses.append(message["status"])
 
     start = time.perf_counter()
-    for _ in range(requests):
+    for index in range(requests):
         await app(dict(template), receive, send)
+        if index % LOOP_TURN_EVERY == 0:
+            # A server's loop turns between requests; without that, the cancelled timers of
+            # per-request deadlines pile up in the loop's heap, which no server would see.
+            await asyncio.sleep(0)
     elapsed = time.perf_counter() - start
     assert set(statuses) == {200}, set(statuses)
     return requests / elapsed
 
 
+UNTAGGED_TARGET = 0.97  # wrapped / bare throughput
+TAGGED_TARGET = 3.0  # own cost / FloorAdmission's own cost
+
 CASES = [
-    ("starlette", "untagged GET", "/plain", "GET", 0.98),
-    ("starlette", "tagged POST 1 KB JSON", "/generate", "POST", 0.90),
-    ("fastapi", "untagged GET", "/plain", "GET", 0.98),
-    ("fastapi", "tagged POST 1 KB JSON", "/generate", "POST", 0.90),
-    ("starlette floor", "tagged POST 1 KB JSON (reference, not gpu_asgi)", "/generate", "POST", None),
-    ("fastapi floor", "tagged POST 1 KB JSON (reference, not gpu_asgi)", "/generate", "POST", None),
+    ("starlette", "untagged GET", "/plain", "GET"),
+    ("starlette", "untagged POST 1 KB", "/upload", "POST"),
+    ("starlette", "tagged POST 1 KB JSON", "/generate", "POST"),
+    ("fastapi", "untagged GET", "/plain", "GET"),
+    ("fastapi", "untagged POST 1 KB JSON", "/upload", "POST"),
+    ("fastapi", "tagged POST 1 KB JSON", "/generate", "POST"),
 ]
 
 
 async def run(requests: int, rounds: int) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for framework, route, path, method, target in CASES:
-        name = f"{framework}: {route}"
-        if framework.endswith(" floor"):
-            base = framework.removesuffix(" floor")
-            bare, wrapped = build(False, base), build("floor", base)
-        else:
-            bare, wrapped = build(False, framework), build(True, framework)
-        await drive(bare, path, method, requests // 10)  # warm up both
-        await drive(wrapped, path, method, requests // 10)
-        ratios, bare_rps, wrapped_rps = [], [], []
+    for framework, route, path, method in CASES:
+        tagged = route.startswith("tagged")
+        apps = {"bare": build(False, framework), "gpu_asgi": build(True, framework)}
+        if tagged:
+            apps["floor"] = build("floor", framework)
+        for app in apps.values():  # warm up
+            await drive(app, path, method, requests // 10)
+        rps: dict[str, list[float]] = {name: [] for name in apps}
+        ratios: list[float] = []
         for _ in range(rounds):
-            b = await drive(bare, path, method, requests)
-            w = await drive(wrapped, path, method, requests)
-            bare_rps.append(b)
-            wrapped_rps.append(w)
-            ratios.append(w / b)
-        results[name] = {
-            "target": target,
-            "bare_rps": statistics.median(bare_rps),
-            "middleware_rps": statistics.median(wrapped_rps),
-            "ratio": statistics.median(ratios),
-            "ratios": ratios,
+            for name, app in apps.items():
+                rps[name].append(await drive(app, path, method, requests))
+            ratios.append(rps["gpu_asgi"][-1] / rps["bare"][-1])
+        median = {name: statistics.median(values) for name, values in rps.items()}
+        result: dict[str, Any] = {
+            "bare_rps": median["bare"], "middleware_rps": median["gpu_asgi"],
+            "ratio": statistics.median(ratios), "ratios": ratios,
         }
+        if tagged:
+            own = 1e6 / median["gpu_asgi"] - 1e6 / median["bare"]
+            floor_own = 1e6 / median["floor"] - 1e6 / median["bare"]
+            result.update(floor_rps=median["floor"], own_us=own, floor_own_us=floor_own, times_floor=own / floor_own)
+            result["met"] = 0 < floor_own and own / floor_own <= TAGGED_TARGET  # a negative floor is noise
+        else:
+            result["met"] = result["ratio"] >= UNTAGGED_TARGET
+        results[f"{framework}: {route}"] = result
     return results
 
 
@@ -182,11 +207,14 @@ def main() -> None:
     args = parser.parse_args()
     results = asyncio.run(run(args.requests, args.rounds))
     rows = [
-        [name, r["bare_rps"], r["middleware_rps"], r["ratio"], r["target"] or "-",
-         "-" if r["target"] is None else "yes" if r["ratio"] >= r["target"] else "NO"]
+        [name, r["bare_rps"], r["middleware_rps"], r["ratio"], r.get("floor_rps", "-"), r.get("own_us", "-"),
+         r.get("floor_own_us", "-"), r.get("times_floor", "-"),
+         f"ratio >= {UNTAGGED_TARGET}" if "times_floor" not in r else f"own <= {TAGGED_TARGET}x floor",
+         "yes" if r["met"] else "NO"]
         for name, r in results.items()
     ]
-    print(table(rows, ["route", "bare req/s", "with gpu_asgi req/s", "ratio (median)", "target", "met"]))
+    headers = ["route", "bare req/s", "with gpu_asgi req/s", "ratio", "floor req/s", "own µs", "floor own µs", "× floor", "target", "met"]
+    print(table(rows, headers))
     print("report:", write_report("overhead", {"requests": args.requests, "rounds": args.rounds, "results": results}))
 
 

@@ -1,0 +1,154 @@
+"""One request's view of the app: ``receive``/``send`` wrapped so the app's own router decides.
+
+The router matches first and writes the endpoint it chose into the scope (Starlette's
+``Router.app`` sets ``scope["route"]`` and ``scope["endpoint"]`` before ``route.handle``); the
+endpoint layer then reads the body. That first ``receive()`` is where admission happens: for a
+tagged endpoint the body is buffered, checked and its bytes reserved (or queued for) right there,
+and the same bytes are replayed; for an untagged one the server's messages pass untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING
+
+from ._ledger import Reservation
+from ._tagging import RouteSpec, route_spec_of
+from ._types import Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from ._middleware import GPUAdmissionMiddleware
+
+_UNDECIDED, _PASS, _ADMITTED, _ANSWERED = range(4)
+
+
+class Answered(BaseException):
+    """Raised from ``receive()`` once gpu_asgi has answered the request itself (a refusal) or the
+    client left before admission: the app must stop, and the middleware swallows this.
+
+    A ``BaseException`` so that no ``except Exception`` on the way (FastAPI's body parsing,
+    Starlette's error middleware, the endpoint's own code) turns it into a 500 and a logged
+    traceback, or carries on unadmitted.
+    """
+
+
+def caused_by_answer(error: BaseException) -> bool:
+    """True for :class:`Answered`, or a group (anyio task groups) holding it.
+
+    The other members of such a group are what our signal set off on its way out, such as a
+    ``BaseHTTPMiddleware``'s "No response returned": the client already has gpu_asgi's answer.
+    """
+    if isinstance(error, BaseExceptionGroup):
+        return any(caused_by_answer(inner) for inner in error.exceptions)
+    return isinstance(error, Answered)
+
+
+def matched_spec(scope: Scope) -> RouteSpec | None:
+    """The spec of the endpoint the router chose for this request, if it chose a tagged one."""
+    spec = route_spec_of(scope.get("endpoint"))
+    if spec is None:
+        return None
+    methods = getattr(scope.get("route"), "methods", None)
+    if methods is not None and scope["method"] not in methods:
+        return None  # matched the path, not the method: the route answers 405 without reading
+    return spec
+
+
+class Responder:
+    """Per-request state; :meth:`receive` and :meth:`send` are what the app is given."""
+
+    __slots__ = (
+        "_body", "_clamp", "_entry_endpoint", "_middleware", "_pending", "_receive", "_reservation", "_scope", "_send",
+        "_state",
+    )
+
+    def __init__(self, middleware: GPUAdmissionMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
+        self._middleware = middleware
+        self._scope = scope
+        self._receive = receive
+        self._send = send
+        self._state = _UNDECIDED
+        #: An outer router's choice (a parent's Mount names this app): not our router's decision.
+        self._entry_endpoint = scope.get("endpoint")
+        self._reservation: Reservation | None = None
+        self._body: bytes | None = None
+        self._pending: asyncio.Future[Message] | None = None  # receive() still running from the queue wait
+        self._clamp: tuple[bytes, bytes] | None = None
+
+    async def admit(self, spec: RouteSpec) -> bool:
+        """Admit now; False when gpu_asgi answered instead (or the client left)."""
+        granted = await self._middleware.admit(spec, self._scope, self._receive, self._send)
+        if granted is None:
+            self._state = _ANSWERED
+            return False
+        self._reservation, self._body, self._pending, self._clamp = granted
+        self._state = _ADMITTED
+        return True
+
+    def finish(self) -> None:
+        """After the app has returned or failed: release (at most once) and stop listening."""
+        if self._reservation is not None:
+            self._reservation.release()
+        if self._pending is not None:
+            self._pending.cancel()
+
+    def receive(self) -> Awaitable[Message]:
+        """The app's ``receive``. Once the request is known untagged, the server's own call,
+        with no coroutine of ours in between: that is all an untagged request pays per message."""
+        if self._state == _PASS:
+            return self._receive()
+        return self._receive_watched()
+
+    def send(self, message: Message) -> Awaitable[None]:
+        """The app's ``send``; the server's own call once the request is known untagged."""
+        if self._state == _PASS:
+            return self._send(message)
+        return self._send_watched(message)
+
+    async def _receive_watched(self) -> Message:
+        state = self._state
+        if state == _UNDECIDED:
+            spec = matched_spec(self._scope)
+            if spec is None:
+                if self._scope.get("endpoint") is not self._entry_endpoint:
+                    self._state = _PASS  # routed to an untagged endpoint: step aside for good
+                # else not routed yet (something before the router reads the body): decide later,
+                # so the check in send() still catches a tagged endpoint that runs after it
+                return await self._receive()
+            if not await self.admit(spec):
+                raise Answered
+            state = _ADMITTED
+        if state == _ADMITTED:
+            if self._body is not None:
+                body, self._body = self._body, None
+                return {"type": "http.request", "body": body, "more_body": False}
+            if self._pending is not None:
+                waiting, self._pending = self._pending, None
+                return await waiting
+            # A disconnect does not release here: a model call may still be using the memory in
+            # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
+            # and finish() releases once the endpoint has really stopped.
+        elif state == _ANSWERED:
+            raise Answered
+        return await self._receive()
+
+    async def _send_watched(self, message: Message) -> None:
+        state = self._state
+        if state == _ADMITTED:
+            kind = message["type"]
+            if self._clamp is not None and kind == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._clamp]}
+            await self._send(message)
+            if (kind == "http.response.body" and not message.get("more_body", False)) or kind == "http.response.pathsend":
+                self._reservation.release()  # type: ignore[union-attr]
+            return
+        if state == _UNDECIDED and message["type"] == "http.response.start":
+            if matched_spec(self._scope) is not None:
+                self._state = _ANSWERED
+                await self._middleware.answer_unread(self._scope, self._send)
+                raise Answered
+            self._state = _PASS
+        elif state == _ANSWERED:
+            return  # gpu_asgi has answered already; whatever the app sends after is dropped
+        await self._send(message)
