@@ -36,10 +36,9 @@ def tiny_qwen2(dtype: Any, **overrides: Any) -> Any:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=1000, **overrides,
-    )
+    shape = {"num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "vocab_size": 1000}
+    config = transformers.Qwen2Config(**{**shape, **overrides})
     return transformers.Qwen2ForCausalLM(config).to(dtype).eval()
 
 
@@ -189,17 +188,17 @@ def test_from_config_accepts_config_object_and_its_dict() -> None:
     assert AnalyticEstimator.from_config(config, dtype=torch.float32).dtype_bytes == 4
 
 
-def test_estimate_is_kv_plus_worst_workspace_plus_logits_and_scales_with_batch() -> None:
+def test_estimate_is_kv_plus_the_worst_moment_and_scales_with_batch() -> None:
     est = AnalyticEstimator.from_config(QWEN2_1_5B)
     assert isinstance(est, Estimator)
     for prompt, new in [(1, 1), (20, 4_000), (4_000, 20), (512, 512)]:
-        workspace = max(est.prefill_workspace_bytes(prompt), est.decode_workspace_bytes(prompt + new))
-        assert est.estimate(prompt, new) == est.kv_cache_bytes(prompt + new) + workspace + est.logits_bytes()
+        tail = est.decode_workspace_bytes(prompt + new) + est.logits_bytes()
+        assert est.estimate(prompt, new) == est.kv_cache_bytes(prompt + new) + max(est.prefill_workspace_bytes(prompt), tail)
         assert est.estimate(prompt, new, batch=4) == 4 * est.estimate(prompt, new)
     assert est.estimate(2_000, 10) > est.estimate(1_000, 10) > est.estimate(1_000, 5)
-    flash = AnalyticEstimator.from_config(QWEN2_1_5B, materialized_attention=False)
-    assert flash.estimate(4_000, 20) < est.estimate(4_000, 20)
-    assert flash.kv_cache_bytes(4_020) == est.kv_cache_bytes(4_020)
+    eager = AnalyticEstimator.from_config(QWEN2_1_5B, attention="eager")
+    assert est.estimate(4_000, 20) < eager.estimate(4_000, 20)
+    assert eager.kv_cache_bytes(4_020) == est.kv_cache_bytes(4_020)
 
 
 def test_estimate_never_includes_the_weights() -> None:
@@ -311,3 +310,48 @@ def test_estimate_covers_the_measured_peak_of_eager_generate(
         )
     assert tracker.peak > est.kv_cache_bytes(prompt + new - 1, batch)
     assert tracker.peak <= est.estimate(prompt, new, batch) <= 4 * tracker.peak
+
+
+# -- how the model runs: attention, decoding, logits -------------------------------
+
+
+def test_from_config_follows_the_attention_the_model_was_loaded_with() -> None:
+    torch = pytest.importorskip("torch")
+    assert AnalyticEstimator.from_config(QWEN2_1_5B).attention == "sdpa"  # transformers' default
+    assert AnalyticEstimator.from_config(tiny_qwen2(torch.float32).config).attention == "sdpa"
+    assert AnalyticEstimator.from_config(tiny_qwen2(torch.float32, attn_implementation="eager").config).attention == "eager"
+    for name, kind in [("flash_attention_2", "flash"), ("sdpa", "sdpa"), ("eager", "eager"), ("my_kernel", "eager")]:
+        assert AnalyticEstimator.from_config({**QWEN2_1_5B, "_attn_implementation": name}).attention == kind
+    assert AnalyticEstimator.from_config({**QWEN2_1_5B, "attn_implementation": "eager"}, attention="sdpa").attention == "sdpa"
+    with pytest.raises(ValueError, match="attention"):
+        AnalyticEstimator.from_config(QWEN2_1_5B, attention="fast")
+    with pytest.raises(ValueError, match="logits"):
+        AnalyticEstimator.from_config(QWEN2_1_5B, logits="some")
+
+
+def test_only_eager_attention_pays_for_the_prompt_squared_scores() -> None:
+    sdpa, eager, flash = (AnalyticEstimator.from_config(QWEN2_1_5B, attention=a) for a in ("sdpa", "eager", "flash"))
+    # Doubling a long prompt: eager's prefill grows ~4x (scores), SDPA's ~2x (linear terms).
+    assert eager.prefill_workspace_bytes(8_192) > 3.5 * eager.prefill_workspace_bytes(4_096)
+    assert sdpa.prefill_workspace_bytes(8_192) < 2.1 * sdpa.prefill_workspace_bytes(4_096)
+    assert flash.estimate(4_096, 64) <= sdpa.estimate(4_096, 64) < eager.estimate(4_096, 64) / 3
+
+
+def test_greedy_decoding_needs_fewer_vocab_buffers_than_sampling() -> None:
+    sampling = AnalyticEstimator.from_config(QWEN2_1_5B)
+    greedy = AnalyticEstimator.from_config(QWEN2_1_5B, sampling=False)
+    vocab = QWEN2_1_5B["vocab_size"]
+    assert sampling.logits_bytes() - greedy.logits_bytes() == vocab * 4 * (sampling.sampling_buffers - 2)
+    assert greedy.estimate(16, 64) < sampling.estimate(16, 64) / 2  # vocab buffers dominate short requests
+    # Per request, the argument wins over the estimator's default.
+    assert sampling.estimate(16, 64, sampling=False) == greedy.estimate(16, 64)
+    assert greedy.estimate(16, 64, 2, sampling=True) == sampling.estimate(16, 64, 2)
+
+
+def test_all_position_logits_grow_with_the_prompt() -> None:
+    last = AnalyticEstimator.from_config(QWEN2_1_5B)
+    every = AnalyticEstimator.from_config(QWEN2_1_5B, logits="all", sampling=False)
+    vocab = QWEN2_1_5B["vocab_size"]
+    assert every.estimate(1_000, 0) >= vocab * 1_000 * 2 > 2 * last.estimate(1_000, 0)
+    assert every.estimate(1_000, 0, batch=3) == 3 * every.estimate(1_000, 0)
+
