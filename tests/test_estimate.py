@@ -355,3 +355,21 @@ def test_all_position_logits_grow_with_the_prompt() -> None:
     assert every.estimate(1_000, 0) >= vocab * 1_000 * 2 > 2 * last.estimate(1_000, 0)
     assert every.estimate(1_000, 0, batch=3) == 3 * every.estimate(1_000, 0)
 
+
+@pytest.mark.parametrize(
+    ("attention", "dtype_name", "prompt", "batch", "mode"),
+    [("sdpa", "float32", 200, 1, "greedy"), ("eager", "bfloat16", 300, 2, "greedy"),
+     ("sdpa", "bfloat16", 64, 2, "sample"), ("sdpa", "float32", 128, 2, "forward")],
+)
+def test_estimate_covers_the_profiled_cpu_peak(attention: str, dtype_name: str, prompt: int, batch: int, mode: str) -> None:
+    """What tests/benchmarks/bench_peak_memory.py measures, on a tiny Qwen2 with a real-sized vocabulary."""
+    torch = pytest.importorskip("torch")
+    bench = pytest.importorskip("tests.benchmarks.bench_peak_memory")
+    model = tiny_qwen2(getattr(torch, dtype_name), vocab_size=32_000, intermediate_size=256,
+                       attn_implementation=attention)
+    case = bench.Case("tiny", dtype_name, attention, prompt, batch, mode)
+    bench.request(model, case, "cpu")()  # lazy set-up on the first call is not per request
+    peak = bench.cpu_peak_bytes(bench.request(model, case, "cpu"))
+    estimate = bench.estimate_bytes(model, case)
+    assert peak > 0
+    assert peak <= estimate <= 2 * peak, (peak, estimate)
