@@ -75,8 +75,8 @@ class AnalyticEstimator:
     """Bytes from the architecture of a decoder-only transformer (Llama/Qwen2 family).
 
     estimate = KV cache for prompt + max_new tokens
-             + the larger of the prefill and the decode-step workspace of one layer
-             + logits and the decoding buffers.
+             + the larger of one prefill layer's workspace and a decode step's workspace
+               with the logits and decoding buffers (all-position logits: with the stream).
 
     Follows how the model runs (docs/admission.md, "Choosing an estimator", derives each term):
 
@@ -88,6 +88,9 @@ class AnalyticEstimator:
       per request.
     - ``logits``: ``"last"`` for ``generate`` (one position per sequence); ``"all"`` for a plain
       forward that keeps every prompt position (scoring, perplexity, custom endpoints).
+    - ``padding``: a request of several sequences may be left-padded (prompts of different
+      lengths, a dynamic batch), so SDPA gets a prompt x context mask; False for routes whose
+      sequences always have one length (``n`` samples of one prompt).
     - ``dtype_bytes``: the dtype the model runs in.
 
     An upper bound for Hugging Face transformers: the KV part is exact (sliding-window layers
@@ -105,6 +108,7 @@ class AnalyticEstimator:
     attention: str = "sdpa"
     sampling: bool = True
     logits: str = "last"
+    padding: bool = True
     sampling_buffers: int = DEFAULT_SAMPLING_BUFFERS
 
     def __post_init__(self) -> None:
@@ -163,10 +167,11 @@ class AnalyticEstimator:
     def prefill_workspace_bytes(self, prompt_tokens: int, batch: int = 1) -> int:
         """Transient activations of the one layer running the whole prompt.
 
-        Per token: residual stream, normed copy and RMSNorm's float32 temporaries, then
-        the larger of attention (q/k/v with rotary copies, grouped K/V expanded to all
-        heads, and with eager attention heads x prompt^2 scores in the dtype plus their
-        float32 softmax) and the MLP (gate, up and their product at intermediate size).
+        Per token: the embeddings, the layer's input, residual, normed copy and RMSNorm's
+        float32 temporaries, SDPA's padding mask, then the larger of attention (q/k/v with
+        rotary copies, grouped K/V expanded to all heads, and with eager attention heads x
+        prompt^2 scores in the dtype plus their float32 softmax) and the MLP (gate, up and
+        their product at intermediate size; eager's attention weights are still alive).
         """
         return self._layer_workspace(prompt_tokens, prompt_tokens, batch)
 
@@ -223,6 +228,11 @@ class AnalyticEstimator:
         expanded = heads if heads != kv and self.attention != "flash" else 0
         attention += 2 * context * d * b * (kv + expanded)
         mlp = query * (3 * self.intermediate_size + h) * b  # gate, up, act*up; down output
+        mask = 0
+        if self.attention == "sdpa" and self.padding and batch > 1:
+            # Padded rows give SDPA a boolean mask, alive through every layer; kernels that take
+            # an additive mask convert it to the dtype (CUDA's memory-efficient kernel).
+            mask = query * context * (1 + b)
         if self.attention == "eager":
             scores = query * context * heads
             # The masked scores, the float32 copy softmax makes of a half-precision input and
@@ -231,7 +241,7 @@ class AnalyticEstimator:
             # The layer keeps the attention weights (in the dtype) until it returns: they
             # are still alive while the MLP runs.
             mlp += scores * b + query * context * b
-        return batch * (self._stream(query) + max(attention, mlp))
+        return batch * (self._stream(query) + mask + max(attention, mlp))
 
 
 def attention_kind(implementation: Any) -> str:

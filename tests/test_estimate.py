@@ -194,7 +194,9 @@ def test_estimate_is_kv_plus_the_worst_moment_and_scales_with_batch() -> None:
     for prompt, new in [(1, 1), (20, 4_000), (4_000, 20), (512, 512)]:
         tail = est.decode_workspace_bytes(prompt + new) + est.logits_bytes()
         assert est.estimate(prompt, new) == est.kv_cache_bytes(prompt + new) + max(est.prefill_workspace_bytes(prompt), tail)
-        assert est.estimate(prompt, new, batch=4) == 4 * est.estimate(prompt, new)
+        assert est.estimate(prompt, new, batch=4) > 4 * est.estimate(prompt, new)  # padding mask
+        unpadded = AnalyticEstimator.from_config(QWEN2_1_5B, padding=False)
+        assert unpadded.estimate(prompt, new, batch=4) == 4 * unpadded.estimate(prompt, new) == 4 * est.estimate(prompt, new)
     assert est.estimate(2_000, 10) > est.estimate(1_000, 10) > est.estimate(1_000, 5)
     eager = AnalyticEstimator.from_config(QWEN2_1_5B, attention="eager")
     assert est.estimate(4_000, 20) < eager.estimate(4_000, 20)
@@ -373,3 +375,31 @@ def test_estimate_covers_the_profiled_cpu_peak(attention: str, dtype_name: str, 
     estimate = bench.estimate_bytes(model, case)
     assert peak > 0
     assert peak <= estimate <= 2 * peak, (peak, estimate)
+
+
+def test_padded_batches_pay_for_the_sdpa_mask() -> None:
+    sdpa = AnalyticEstimator.from_config(QWEN2_1_5B)
+    unpadded = AnalyticEstimator.from_config(QWEN2_1_5B, padding=False)
+    assert sdpa.prefill_workspace_bytes(1_000) == unpadded.prefill_workspace_bytes(1_000)  # one row: no padding
+    assert sdpa.prefill_workspace_bytes(1_000, 3) - unpadded.prefill_workspace_bytes(1_000, 3) == 3 * 1_000**2 * (1 + 2)
+    for attention in ("eager", "flash"):  # eager always counts its mask; flash kernels take none
+        a, b = (AnalyticEstimator.from_config(QWEN2_1_5B, attention=attention, padding=p) for p in (True, False))
+        assert a.estimate(1_000, 10, 3) == b.estimate(1_000, 10, 3)
+
+
+def test_a_left_padded_batch_allocates_the_mask_the_estimate_counts() -> None:
+    torch = pytest.importorskip("torch")
+    bench = pytest.importorskip("tests.benchmarks.bench_peak_memory")
+    model = tiny_qwen2(torch.float32, vocab_size=32_000, intermediate_size=256)
+    prompt, batch = 512, 2
+    peaks = {}
+    for padded in (False, True):
+        case = bench.Case("tiny", "float32", "sdpa", prompt, batch, "greedy", padded=padded)
+        bench.request(model, case, "cpu")()
+        peaks[padded] = bench.cpu_peak_bytes(bench.request(model, case, "cpu"))
+        assert peaks[padded] <= bench.estimate_bytes(model, case) <= 2 * peaks[padded]
+    extra = peaks[True] - peaks[False]
+    assert extra >= 0.9 * batch * prompt * prompt  # a boolean prompt x prompt mask per row
+    mask_term = AnalyticEstimator.from_config(model.config, dtype=torch.float32)
+    no_mask = AnalyticEstimator.from_config(model.config, dtype=torch.float32, padding=False)
+    assert mask_term.estimate(prompt, 8, batch) - no_mask.estimate(prompt, 8, batch) >= extra
