@@ -90,7 +90,9 @@ class AnalyticEstimator:
       forward that keeps every prompt position (scoring, perplexity, custom endpoints).
     - ``padding``: a request of several sequences may be left-padded (prompts of different
       lengths, a dynamic batch), so SDPA gets a prompt x context mask; False for routes whose
-      sequences always have one length (``n`` samples of one prompt).
+      sequences always have one length (``n`` samples of one prompt). ``additive_mask``: the
+      SDPA kernel converts that boolean mask to the dtype (CUDA's memory-efficient and cuDNN
+      kernels do); False where it takes it as is (PyTorch's CPU flash kernel, measured).
     - ``dtype_bytes``: the dtype the model runs in.
 
     An upper bound for Hugging Face transformers: the KV part is exact (sliding-window layers
@@ -109,6 +111,7 @@ class AnalyticEstimator:
     sampling: bool = True
     logits: str = "last"
     padding: bool = True
+    additive_mask: bool = True
     sampling_buffers: int = DEFAULT_SAMPLING_BUFFERS
 
     def __post_init__(self) -> None:
@@ -232,7 +235,7 @@ class AnalyticEstimator:
         if self.attention == "sdpa" and self.padding and batch > 1:
             # Padded rows give SDPA a boolean mask, alive through every layer; kernels that take
             # an additive mask convert it to the dtype (CUDA's memory-efficient kernel).
-            mask = query * context * (1 + b)
+            mask = query * context * (1 + (b if self.additive_mask else 0))
         if self.attention == "eager":
             scores = query * context * heads
             # The masked scores, the float32 copy softmax makes of a half-precision input and

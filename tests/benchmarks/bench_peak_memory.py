@@ -15,8 +15,9 @@ How the peak is measured:
   is the highest running sum (the weights were allocated before, so they are not in it).
 - CUDA (untested: no GPU here): a warm-up call first (cuBLAS workspaces and kernels are fixed
   costs, not per request), then ``reset_peak_memory_stats`` and ``max_memory_allocated`` and
-  ``max_memory_reserved`` minus what was allocated/reserved before; the SDPA backend PyTorch
-  picks for the prefill's shapes is recorded. float16 is measured too.
+  ``max_memory_reserved`` minus what was allocated/reserved before. float16 is measured too.
+- Both: the SDPA backend PyTorch picks for the prefill's shapes is recorded (on the CPU, its
+  flash kernel).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class Case:
     batch: int
     #: "greedy" or "sample" for ``generate``; "forward" is one plain forward keeping all logits.
     mode: str
+    #: Rows after the first are shorter by an eighth, left-padded (a dynamic batch).
+    padded: bool = False
 
 
 def build_model(shape: str, dtype: str, attention: str, layers: int, device: str) -> Any:
@@ -81,6 +84,8 @@ def request(model: Any, case: Case, device: str) -> Callable[[], None]:
     generator = torch.Generator().manual_seed(case.prompt)
     ids = torch.randint(0, model.config.vocab_size, (case.batch, case.prompt), generator=generator).to(device)
     mask = torch.ones_like(ids)
+    if case.padded:
+        mask[1:, : case.prompt // 8] = 0
 
     def call() -> None:
         with torch.inference_mode():
@@ -122,7 +127,7 @@ def cuda_peak_bytes(call: Callable[[], None], device: str) -> tuple[int, int]:
 
 
 def sdpa_backend(model: Any, case: Case, device: str) -> str:
-    """The backend PyTorch's SDPA dispatcher picks for this prefill (CUDA only)."""
+    """The backend PyTorch's SDPA dispatcher picks for this prefill's shapes (no mask: no padding)."""
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     q = torch.empty(case.batch, config.num_attention_heads, case.prompt, head_dim, device=device, dtype=model.dtype)
@@ -136,7 +141,8 @@ def sdpa_backend(model: Any, case: Case, device: str) -> str:
 
 def estimate_bytes(model: Any, case: Case) -> int:
     estimator = AnalyticEstimator.from_config(
-        model.config, dtype=model.dtype, logits="all" if case.mode == "forward" else "last"
+        model.config, dtype=model.dtype, logits="all" if case.mode == "forward" else "last",
+        padding=case.padded, additive_mask=model.device.type == "cuda",  # the CPU kernel takes the boolean mask
     )
     new = 0 if case.mode == "forward" else NEW_TOKENS
     return estimator.estimate(case.prompt, new, case.batch, sampling=case.mode == "sample")
@@ -151,10 +157,10 @@ def measure(model: Any, case: Case, device: str) -> dict[str, Any]:
         call()  # warm-up: kernels, cuBLAS workspace and allocator pools are fixed costs
         peak, reserved = cuda_peak_bytes(call, device)
         result["reserved_bytes"] = reserved
-        if case.attention == "sdpa":
-            result["sdpa_backend"] = sdpa_backend(model, case, device)
     else:
         peak = cpu_peak_bytes(call)
+    if case.attention == "sdpa":
+        result["sdpa_backend"] = sdpa_backend(model, case, device)
     estimate = estimate_bytes(model, case)
     result.update(peak_bytes=peak, estimate_bytes=estimate, ratio=estimate / peak if peak else float("inf"),
                   seconds=round(time.perf_counter() - started, 2))
@@ -165,7 +171,8 @@ def measure(model: Any, case: Case, device: str) -> dict[str, Any]:
 
 
 def cases(quick: bool, dtypes: tuple[str, ...]) -> Iterator[Case]:
-    """The grid. Batch 4 and plain forward stop at 1,024 tokens: 4,096 of either needs >10 GB."""
+    """The grid. Batch 4 and plain forward stop at 1,024 tokens: 4,096 of either needs >10 GB.
+    Padded batches (batch 2) only for SDPA, the one attention whose mask depends on padding."""
     shapes = ("qwen2-0.5b",) if quick else tuple(QWEN2_SHAPES)
     prompts = (16, 1024) if quick else (16, 256, 1024, 4096)
     for shape, dtype, attention in itertools.product(shapes, dtypes, ("sdpa", "eager")):
@@ -177,6 +184,8 @@ def cases(quick: bool, dtypes: tuple[str, ...]) -> Iterator[Case]:
                 yield Case(shape, dtype, attention, prompt, 4, "greedy")
                 if not quick and attention == "sdpa":
                     yield Case(shape, dtype, attention, prompt, 1, "forward")
+            if prompt >= 1024 and attention == "sdpa":
+                yield Case(shape, dtype, attention, prompt, 2, "greedy", padded=True)
 
 
 def main() -> None:
@@ -198,7 +207,8 @@ def main() -> None:
             built = key
         result = measure(model, case, device)
         results.append(result)
-        rows.append([case.shape, case.dtype, case.attention, case.prompt, case.batch, case.mode,
+        mode = f"{case.mode}, padded" if case.padded else case.mode
+        rows.append([case.shape, case.dtype, case.attention, case.prompt, case.batch, mode,
                      f"{result['peak_bytes'] / MiB:.1f}", f"{result['estimate_bytes'] / MiB:.1f}",
                      f"{result['ratio']:.2f}", "ok" if result["within_bars"] else "FAIL"])
         print(table(rows[-1:], ["shape", "dtype", "attention", "prompt", "batch", "mode",
