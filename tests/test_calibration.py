@@ -6,10 +6,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import random
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -66,6 +69,26 @@ def test_quantile_ignores_rare_outliers_but_a_raise_still_covers_them() -> None:
     # ...and when such a peak comes again, it is above the factor: raised at once.
     assert calibration.observe("gen", 100, 80) == 0.8
     assert calibration.observe("gen", 100, 50) == 0.8  # two 0.8s in ten: now the 0.9 quantile
+
+
+@given(st.lists(st.integers(1, 4_000), min_size=1, max_size=120), st.sampled_from([0.5, 0.9, 0.99, 1.0]),
+       st.floats(0.01, 1.0))
+def test_the_factor_covers_every_peak_above_it_and_never_sinks_below_the_quantile(
+    peaks: list[int], quantile: float, lower_rate: float
+) -> None:
+    calibration = PeakCalibration(quantile=quantile, lower_rate=lower_rate, window=32, min_samples=8)
+    window: list[float] = []
+    factor = 1.0
+    for peak in peaks:
+        ratio = peak / 1_000
+        window = [*window, ratio][-32:]
+        before, factor = factor, calibration.observe("gen", 1_000, peak)
+        if ratio > before:
+            assert factor == ratio  # raised at once, exactly to what was used
+        else:
+            assert factor <= before  # otherwise it only comes down...
+            if len(window) >= 8:  # ...and never below the window's quantile (nearest rank)
+                assert factor >= sorted(window)[max(0, math.ceil(quantile * len(window)) - 1)]
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -135,8 +158,9 @@ def simulate(
     """Admit identical requests through a real Ledger with a calibrated analytic estimate.
 
     Each request really uses ``true_ratio`` x the analytic estimate (+-2% noise) and reports
-    it when it ends. The device holds ``budget / 0.9``: the budget's utilization headroom. At
-    every admission the true bytes of all running requests are checked against the device.
+    it when it ends. The device: 24 GiB less 3 GiB of weights; the budget is 90% of the 24 GiB
+    less the weights. At every admission the true bytes of all running requests are checked
+    against the device.
     Returns (concurrency admitted after ``requests`` requests, concurrency the true cost
     allows, the learnt factor).
     """
