@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ._estimate import Estimator
@@ -31,8 +31,9 @@ LOG_STEP = 0.01
 class _Route:
     factor: float
     ratios: deque[float]
+    #: The factor last written to the log.
+    logged: float
     observed: int = 0
-    logged: float = field(default=0.0)
 
 
 class PeakCalibration:
@@ -107,8 +108,7 @@ class PeakCalibration:
         with self._lock:
             state = self._routes.get(route)
             if state is None:
-                state = self._routes[route] = _Route(self.initial_factor, deque(maxlen=self.window))
-                state.logged = self.initial_factor
+                state = self._routes[route] = _Route(self.initial_factor, deque(maxlen=self.window), self.initial_factor)
             state.ratios.append(ratio)
             state.observed += 1
             before = state.factor
