@@ -3,6 +3,7 @@
 Everything public is importable from here; the modules behind it are private.
 """
 
+from ._calibration import CalibratedEstimator, PeakCalibration
 from ._dependencies import gpu_admission, gpu_reservation
 from ._device_policy import DeviceGuard, ThermalPolicy
 from ._errors import (
@@ -51,6 +52,7 @@ __all__ = [
     "BodyTimeout",
     "BodyTooLarge",
     "BudgetLedger",
+    "CalibratedEstimator",
     "DeviceExecutor",
     "DeviceGuard",
     "DeviceMemoryLow",
@@ -74,6 +76,7 @@ __all__ = [
     "NVMLProbe",
     "NeverFits",
     "NoDeviceProbe",
+    "PeakCalibration",
     "Phase",
     "Probe",
     "QueueFull",

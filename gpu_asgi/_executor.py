@@ -89,6 +89,18 @@ class DeviceExecutor:
             self._init_error = exc
         bind_thread(ThreadBinding(self.device, self._tracer, self.synchronize, sync))
 
+    def _call_measured(
+        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[T, int | None]:
+        torch = self._torch
+        if not self.is_cuda or torch is None:
+            return self._call(fn, args, kwargs), None  # the CPU allocator keeps no peak to read
+        # Allocations are counted on the host as kernels are queued, so no synchronize is needed.
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        result = self._call(fn, args, kwargs)
+        return result, max(0, torch.cuda.max_memory_allocated(self.device) - before)
+
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         if self._init_error is not None:
             raise self._init_error
@@ -99,9 +111,24 @@ class DeviceExecutor:
 
     async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the device thread and return its result (or raise its exception)."""
+        return await self._run(self._call, fn, args, kwargs)
+
+    async def run_measured(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> tuple[T, int | None]:
+        """Like :meth:`run`, plus the call's peak device bytes above what was allocated before it.
+
+        On CUDA, ``torch.cuda.reset_peak_memory_stats`` and ``max_memory_allocated`` bracket the
+        call (the device's peak statistics are reset: do not read them elsewhere meanwhile). The
+        peak is this call's own while nothing else allocates on the device, as when this executor
+        is its only user. On the CPU nothing is recorded: ``None``. Hand the peak to
+        ``admission.report_peak_bytes`` (for a batched call, split it between the requests).
+        """
+        return await self._run(self._call_measured, fn, args, kwargs)
+
+    async def _run(self, call: Callable[..., T], fn: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> T:
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()  # carries the current span into the thread
-        future = loop.run_in_executor(self._executor(), context.run, self._call, fn, args, kwargs)
+        future = loop.run_in_executor(self._executor(), context.run, call, fn, args, kwargs)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:

@@ -77,15 +77,20 @@ class Admission:
     #: The body still holds the client's value: generate with :attr:`max_new_tokens`.
     clamped_from: int | None = None
     _metrics: GPUMetrics | None = field(default=None, repr=False, compare=False)
+    _estimator: Estimator | None = field(default=None, repr=False, compare=False)
 
     @property
     def device(self) -> str:
         return self.reservation.device
 
     def report_peak_bytes(self, nbytes: int) -> None:
-        """Report the request's measured peak bytes (feeds the estimate-versus-actual metric)."""
+        """Report the request's measured peak bytes: to the estimate-versus-actual metric, and to
+        the estimator when it learns (an ``observe`` method, as ``CalibratedEstimator`` has)."""
         if self._metrics is not None:
             self._metrics.record_peak(self.device, self.estimated_bytes, nbytes)
+        observe = getattr(self._estimator, "observe", None)
+        if observe is not None:
+            observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes)
 
 
 def _route_name(scope: Scope) -> str:
@@ -246,7 +251,8 @@ class GPUAdmissionMiddleware:
                     counts = await count_tokens_in_thread(counter, texts)
                 prompt_tokens = max(n + prompt.known_tokens for n, prompt in zip(counts, prompts))
             batch = len(prompts) * request.n
-            nbytes = (spec.estimator or self.estimator).estimate(prompt_tokens, max_new_tokens, batch)
+            estimator = spec.estimator or self.estimator
+            nbytes = estimator.estimate(prompt_tokens, max_new_tokens, batch)
         except GPUAdmissionError as error:
             if metrics is not None:
                 metrics.record_rejection(error.reason)
@@ -266,7 +272,7 @@ class GPUAdmissionMiddleware:
         if reservation is None:
             return None  # disconnected while queued: never admitted
 
-        admission = Admission(reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics)
+        admission = Admission(reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics, estimator)
         state = scope.get("state")
         if state is None:
             scope["state"] = state = {}

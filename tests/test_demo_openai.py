@@ -86,8 +86,8 @@ async def test_errors_reach_the_client_as_its_own_exceptions(model: LoadedModel)
             await api.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
         with pytest.raises(openai.UnprocessableEntityError, match="not supported"):
             await api.chat.completions.create(model="qwen2-tiny", messages=CHAT, logprobs=True)
-        with pytest.raises(openai.APIStatusError) as too_big:  # more than the whole 256 MiB budget
-            long = [{"role": "user", "content": "word " * 6000}]
+        with pytest.raises(openai.APIStatusError) as too_big:  # more than the whole 256 MiB budget (SDPA: ~16k tokens)
+            long = [{"role": "user", "content": "word " * 16000}]
             await api.chat.completions.create(model="qwen2-tiny", messages=long, max_tokens=1024)
     assert too_big.value.status_code == 413
     assert too_big.value.body["type"] == "urn:gpu-asgi:problem:exceeds-budget"  # type: ignore[index]

@@ -36,10 +36,9 @@ def tiny_qwen2(dtype: Any, **overrides: Any) -> Any:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        num_hidden_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=1000, **overrides,
-    )
+    shape = {"num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "vocab_size": 1000}
+    config = transformers.Qwen2Config(**{**shape, **overrides})
     return transformers.Qwen2ForCausalLM(config).to(dtype).eval()
 
 
@@ -189,17 +188,19 @@ def test_from_config_accepts_config_object_and_its_dict() -> None:
     assert AnalyticEstimator.from_config(config, dtype=torch.float32).dtype_bytes == 4
 
 
-def test_estimate_is_kv_plus_worst_workspace_plus_logits_and_scales_with_batch() -> None:
+def test_estimate_is_kv_plus_the_worst_moment_and_scales_with_batch() -> None:
     est = AnalyticEstimator.from_config(QWEN2_1_5B)
     assert isinstance(est, Estimator)
     for prompt, new in [(1, 1), (20, 4_000), (4_000, 20), (512, 512)]:
-        workspace = max(est.prefill_workspace_bytes(prompt), est.decode_workspace_bytes(prompt + new))
-        assert est.estimate(prompt, new) == est.kv_cache_bytes(prompt + new) + workspace + est.logits_bytes()
-        assert est.estimate(prompt, new, batch=4) == 4 * est.estimate(prompt, new)
+        tail = est.decode_workspace_bytes(prompt + new) + est.logits_bytes()
+        assert est.estimate(prompt, new) == est.kv_cache_bytes(prompt + new) + max(est.prefill_workspace_bytes(prompt), tail)
+        assert est.estimate(prompt, new, batch=4) > 4 * est.estimate(prompt, new)  # padding mask
+        unpadded = AnalyticEstimator.from_config(QWEN2_1_5B, padding=False)
+        assert unpadded.estimate(prompt, new, batch=4) == 4 * unpadded.estimate(prompt, new) == 4 * est.estimate(prompt, new)
     assert est.estimate(2_000, 10) > est.estimate(1_000, 10) > est.estimate(1_000, 5)
-    flash = AnalyticEstimator.from_config(QWEN2_1_5B, materialized_attention=False)
-    assert flash.estimate(4_000, 20) < est.estimate(4_000, 20)
-    assert flash.kv_cache_bytes(4_020) == est.kv_cache_bytes(4_020)
+    eager = AnalyticEstimator.from_config(QWEN2_1_5B, attention="eager")
+    assert est.estimate(4_000, 20) < eager.estimate(4_000, 20)
+    assert eager.kv_cache_bytes(4_020) == est.kv_cache_bytes(4_020)
 
 
 def test_estimate_never_includes_the_weights() -> None:
@@ -311,3 +312,97 @@ def test_estimate_covers_the_measured_peak_of_eager_generate(
         )
     assert tracker.peak > est.kv_cache_bytes(prompt + new - 1, batch)
     assert tracker.peak <= est.estimate(prompt, new, batch) <= 4 * tracker.peak
+
+
+# -- how the model runs: attention, decoding, logits -------------------------------
+
+
+def test_from_config_follows_the_attention_the_model_was_loaded_with() -> None:
+    torch = pytest.importorskip("torch")
+    assert AnalyticEstimator.from_config(QWEN2_1_5B).attention == "sdpa"  # transformers' default
+    assert AnalyticEstimator.from_config(tiny_qwen2(torch.float32).config).attention == "sdpa"
+    assert AnalyticEstimator.from_config(tiny_qwen2(torch.float32, attn_implementation="eager").config).attention == "eager"
+    for name, kind in [("flash_attention_2", "flash"), ("sdpa", "sdpa"), ("eager", "eager"), ("my_kernel", "eager")]:
+        assert AnalyticEstimator.from_config({**QWEN2_1_5B, "_attn_implementation": name}).attention == kind
+    assert AnalyticEstimator.from_config({**QWEN2_1_5B, "attn_implementation": "eager"}, attention="sdpa").attention == "sdpa"
+    with pytest.raises(ValueError, match="attention"):
+        AnalyticEstimator.from_config(QWEN2_1_5B, attention="fast")
+    with pytest.raises(ValueError, match="logits"):
+        AnalyticEstimator.from_config(QWEN2_1_5B, logits="some")
+
+
+def test_only_eager_attention_pays_for_the_prompt_squared_scores() -> None:
+    sdpa, eager, flash = (AnalyticEstimator.from_config(QWEN2_1_5B, attention=a) for a in ("sdpa", "eager", "flash"))
+    # Doubling a long prompt: eager's prefill grows ~4x (scores), SDPA's ~2x (linear terms).
+    assert eager.prefill_workspace_bytes(8_192) > 3.5 * eager.prefill_workspace_bytes(4_096)
+    assert sdpa.prefill_workspace_bytes(8_192) < 2.1 * sdpa.prefill_workspace_bytes(4_096)
+    assert flash.estimate(4_096, 64) <= sdpa.estimate(4_096, 64) < eager.estimate(4_096, 64) / 3
+
+
+def test_greedy_decoding_needs_fewer_vocab_buffers_than_sampling() -> None:
+    sampling = AnalyticEstimator.from_config(QWEN2_1_5B)
+    greedy = AnalyticEstimator.from_config(QWEN2_1_5B, sampling=False)
+    vocab = QWEN2_1_5B["vocab_size"]
+    assert sampling.logits_bytes() - greedy.logits_bytes() == vocab * 4 * (sampling.sampling_buffers - 2)
+    assert greedy.estimate(16, 64) < sampling.estimate(16, 64) / 2  # vocab buffers dominate short requests
+    # Per request, the argument wins over the estimator's default.
+    assert sampling.estimate(16, 64, sampling=False) == greedy.estimate(16, 64)
+    assert greedy.estimate(16, 64, 2, sampling=True) == sampling.estimate(16, 64, 2)
+
+
+def test_all_position_logits_grow_with_the_prompt() -> None:
+    last = AnalyticEstimator.from_config(QWEN2_1_5B)
+    every = AnalyticEstimator.from_config(QWEN2_1_5B, logits="all", sampling=False)
+    vocab = QWEN2_1_5B["vocab_size"]
+    assert every.estimate(1_000, 0) >= vocab * 1_000 * 2 > 2 * last.estimate(1_000, 0)
+    assert every.estimate(1_000, 0, batch=3) == 3 * every.estimate(1_000, 0)
+
+
+@pytest.mark.parametrize(
+    ("attention", "dtype_name", "prompt", "batch", "mode"),
+    [("sdpa", "float32", 200, 1, "greedy"), ("eager", "bfloat16", 300, 2, "greedy"),
+     ("sdpa", "bfloat16", 64, 2, "sample"), ("sdpa", "float32", 128, 2, "forward")],
+)
+def test_estimate_covers_the_profiled_cpu_peak(attention: str, dtype_name: str, prompt: int, batch: int, mode: str) -> None:
+    """What tests/benchmarks/bench_peak_memory.py measures, on a tiny Qwen2 with a real-sized vocabulary."""
+    torch = pytest.importorskip("torch")
+    bench = pytest.importorskip("tests.benchmarks.bench_peak_memory")
+    model = tiny_qwen2(getattr(torch, dtype_name), vocab_size=32_000, intermediate_size=256,
+                       attn_implementation=attention)
+    case = bench.Case("tiny", dtype_name, attention, prompt, batch, mode)
+    bench.request(model, case, "cpu")()  # lazy set-up on the first call is not per request
+    peak = bench.cpu_peak_bytes(bench.request(model, case, "cpu"))
+    estimate = bench.estimate_bytes(model, case)
+    assert peak > 0
+    assert peak <= estimate <= 2 * peak, (peak, estimate)
+
+
+def test_padded_batches_pay_for_the_sdpa_mask() -> None:
+    sdpa = AnalyticEstimator.from_config(QWEN2_1_5B)
+    unpadded = AnalyticEstimator.from_config(QWEN2_1_5B, padding=False)
+    assert sdpa.prefill_workspace_bytes(1_000) == unpadded.prefill_workspace_bytes(1_000)  # one row: no padding
+    assert sdpa.prefill_workspace_bytes(1_000, 3) - unpadded.prefill_workspace_bytes(1_000, 3) == 3 * 1_000**2 * (1 + 2)
+    boolean = AnalyticEstimator.from_config(QWEN2_1_5B, additive_mask=False)  # CPU: the mask stays boolean
+    assert boolean.prefill_workspace_bytes(1_000, 3) - unpadded.prefill_workspace_bytes(1_000, 3) == 3 * 1_000**2
+    for attention in ("eager", "flash"):  # eager always counts its mask; flash kernels take none
+        a, b = (AnalyticEstimator.from_config(QWEN2_1_5B, attention=attention, padding=p) for p in (True, False))
+        assert a.estimate(1_000, 10, 3) == b.estimate(1_000, 10, 3)
+
+
+def test_a_left_padded_batch_allocates_the_mask_the_estimate_counts() -> None:
+    torch = pytest.importorskip("torch")
+    bench = pytest.importorskip("tests.benchmarks.bench_peak_memory")
+    model = tiny_qwen2(torch.float32, vocab_size=32_000, intermediate_size=256)
+    prompt, batch = 512, 2
+    peaks = {}
+    for padded in (False, True):
+        case = bench.Case("tiny", "float32", "sdpa", prompt, batch, "greedy", padded=padded)
+        bench.request(model, case, "cpu")()
+        peaks[padded] = bench.cpu_peak_bytes(bench.request(model, case, "cpu"))
+        assert peaks[padded] <= bench.estimate_bytes(model, case) <= 2 * peaks[padded]
+    # The CPU kernel takes the boolean prompt x prompt mask per row as it is (plus a few small buffers).
+    extra = peaks[True] - peaks[False]
+    assert batch * prompt * prompt <= extra <= 1.1 * batch * prompt * prompt
+    mask_term = AnalyticEstimator.from_config(model.config, dtype=torch.float32, additive_mask=False)
+    no_mask = AnalyticEstimator.from_config(model.config, dtype=torch.float32, padding=False)
+    assert mask_term.estimate(prompt, 8, batch) - no_mask.estimate(prompt, 8, batch) == batch * prompt * prompt

@@ -135,3 +135,35 @@ async def test_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert await cpu.run(lambda: 42) == 42
     with DeviceExecutor("cuda:0") as cuda, pytest.raises(RuntimeError, match="needs torch with CUDA"):
         await cuda.run(lambda: 42)
+
+
+async def test_run_measured_records_nothing_on_the_cpu() -> None:
+    with DeviceExecutor("cpu") as executor:
+        result, peak = await executor.run_measured(lambda x, *, y: (x + y, torch.is_inference_mode_enabled()), 1, y=2)
+    assert result == (3, True) and peak is None
+
+
+async def test_run_measured_brackets_the_call_with_cudas_peak_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fake allocator statistics (no GPU here): the peak is the call's own, above what was there."""
+    allocated = {"now": 5_000, "peak": 9_000}  # 9,000 peaked before the call: reset must forget it
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated["peak"])
+
+    def reset(device: Any = None) -> None:
+        calls.append(("reset", device))
+        allocated["peak"] = allocated["now"]
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+
+    def generate(nbytes: int) -> str:
+        calls.append(("generate", nbytes))
+        allocated["peak"] = max(allocated["peak"], allocated["now"] + nbytes)  # allocate, then free
+        return "tokens"
+
+    with DeviceExecutor("cuda:0") as executor:
+        assert await executor.run_measured(generate, 1_500) == ("tokens", 1_500)
+        assert await executor.run_measured(generate, 700) == ("tokens", 700)
+        assert await executor.run(generate, 9_999) == "tokens"  # plain run: statistics untouched
+    assert calls == [("reset", "cuda:0"), ("generate", 1_500), ("reset", "cuda:0"), ("generate", 700), ("generate", 9_999)]

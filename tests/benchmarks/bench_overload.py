@@ -43,6 +43,7 @@ GiB = 1 << 30
 QWEN2_1_5B = {  # the published Qwen2-1.5B-Instruct config.json fields that matter here
     "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2, "hidden_size": 1536,
     "intermediate_size": 8960, "vocab_size": 151936, "torch_dtype": "float16",
+    "attn_implementation": "eager",  # the simulated model runs eager attention (see above)
 }
 DEVICE_BYTES = 24 * GiB
 WEIGHTS_BYTES = int(1.6 * GiB)  # AWQ int4 weights + fp16 embeddings, about what the checkpoint loads
