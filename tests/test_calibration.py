@@ -133,6 +133,7 @@ async def test_the_endpoints_report_reaches_the_routes_calibration() -> None:
 
     @gpu_bound(estimator=estimator)
     async def generate(request: Request) -> JSONResponse:
+        await request.body()  # admission happens at the body read
         admission = request.state.gpu_admission
         seen.append(admission.estimated_bytes)
         admission.report_peak_bytes(15_000)  # the model really used 1.5x the inner estimate (10 tokens)
