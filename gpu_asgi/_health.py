@@ -55,11 +55,18 @@ def health_report(
             "age_seconds": None if age is None else round(age, 3),
             "error": snapshot.error,
         }
+        closed_guard = device_guard if device_guard is not None and device_guard.fails_closed else None
         if not usable:
             why = snapshot.error or f"the last reading is {age:.1f} s old"
-            (unavailable if device_guard is not None and device_guard.fails_closed else degraded).append(
+            (unavailable if closed_guard is not None else degraded).append(
                 f"the device probe has no usable reading: {why}"
             )
+        elif closed_guard is not None:  # a fresh snapshot can still lack a device, or its free memory
+            names = [device.name for device in stats.devices]
+            missing = [(name, why) for name in names if (why := closed_guard.unreadable(name, snapshot, now))]
+            if missing:  # the guard refuses these devices; when that is all of them, every request
+                reasons = [f"the device guard cannot check {name}: {why}" for name, why in missing]
+                (unavailable if len(missing) == len(names) else degraded).extend(reasons)
         if thermal is not None and usable:
             for name, reading in snapshot.readings.items():
                 celsius = reading.temperature_celsius
