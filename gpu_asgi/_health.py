@@ -63,7 +63,7 @@ def health_report(
             )
         elif closed_guard is not None:  # a fresh snapshot can still lack a device, or its free memory
             names = [device.name for device in stats.devices]
-            missing = [(name, why) for name in names if (why := closed_guard.unreadable(name, snapshot, now))]
+            missing = [(name, unreadable) for name in names if (unreadable := closed_guard.unreadable(name, snapshot, now))]
             if missing:  # the guard refuses these devices; when that is all of them, every request
                 reasons = [f"the device guard cannot check {name}: {why}" for name, why in missing]
                 (unavailable if len(missing) == len(names) else degraded).extend(reasons)
