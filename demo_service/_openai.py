@@ -65,6 +65,7 @@ def openai_router(service: DemoService) -> APIRouter:
         default_max_new_tokens=min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_new_tokens_cap),
         max_new_tokens_cap=settings.max_new_tokens_cap,
         max_batch=MAX_SEQUENCES,
+        openai_errors=True,  # refusals also carry OpenAI's error object, which OpenAI's SDKs show
     )
     async def completions(
         body: CompletionRequest, request: Request, admission: Annotated[Admission, Depends(gpu_admission)]
@@ -104,6 +105,7 @@ def openai_router(service: DemoService) -> APIRouter:
         default_max_new_tokens=settings.default_max_new_tokens,
         max_new_tokens_cap=settings.max_new_tokens_cap,
         max_batch=MAX_SEQUENCES,
+        openai_errors=True,  # refusals also carry OpenAI's error object, which OpenAI's SDKs show
     )
     async def chat_completions(
         body: ChatRequest, request: Request, admission: Annotated[Admission, Depends(gpu_admission)]

@@ -90,6 +90,7 @@ class GPUAdmissionMiddleware:
         sampler: DeviceSampler | None = None,
         thermal: ThermalPolicy | None = None,
         device_guard: DeviceGuard | None = None,
+        openai_errors: bool = False,
     ) -> None:
         if reject_status not in (429, 503):
             raise ValueError("reject_status must be 429 or 503")
@@ -111,6 +112,7 @@ class GPUAdmissionMiddleware:
         self.sampler = sampler
         self.thermal = thermal
         self.device_guard = device_guard
+        self.openai_errors = openai_errors  # a route's own RouteSpec.openai_errors wins
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         # A plain function handing back the next coroutine: one frame fewer per request than an
@@ -161,7 +163,7 @@ class GPUAdmissionMiddleware:
         except GPUAdmissionError as error:
             if metrics is not None:
                 metrics.record_rejection(error.reason)
-            await self._answer(send, scope, error)
+            await self._answer(send, scope, error, spec)
             return
         span = self._tracer.start_span(otel.QUEUE_WAIT_SPAN)  # not made current: the endpoint's spans are siblings
         if span.is_recording():
@@ -172,7 +174,7 @@ class GPUAdmissionMiddleware:
         try:
             reservation, pending = await self._reserve(span, nbytes, spec, receive)
         except GPUAdmissionError as error:
-            await self._answer(send, scope, error)
+            await self._answer(send, scope, error, spec)
             return
         if reservation is None:
             return  # disconnected while queued: never admitted
@@ -215,10 +217,11 @@ class GPUAdmissionMiddleware:
             if pending is not None:
                 pending.cancel()
 
-    async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError) -> None:
+    async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError, spec: RouteSpec) -> None:
         # 429 (when configured) is for overload only; a ledger or probe outage stays a 503.
         status = self.reject_status if isinstance(error, _OVERLOAD) else error.status
-        await send_problem(send, error, status=status, instance=scope.get("path", ""))
+        openai = self.openai_errors if spec.openai_errors is None else spec.openai_errors
+        await send_problem(send, error, status=status, instance=scope.get("path", ""), openai=openai)
 
     async def _reserve(
         self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive
