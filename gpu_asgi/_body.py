@@ -198,8 +198,8 @@ def _max_new_tokens(data: dict[str, Any], spec: RouteSpec) -> int:
         value = data.get(name)
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise InvalidField(f"{name!r} must be an integer, not {_json_type(value)}.", field=name)
+        if type(value) is not int and (value := _integer(value)) is None:
+            raise InvalidField(f"{name!r} must be an integer, not {_json_type(data[name])}.", field=name)
         if value < 1:
             raise InvalidField(f"{name!r} must be at least 1, got {value}.", field=name)
         if value > spec.max_new_tokens_cap:
@@ -216,16 +216,23 @@ def _n(data: dict[str, Any], spec: RouteSpec) -> int:
     value = data.get(spec.batch_field)
     if value is None:
         return 1
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= spec.max_batch:
+    if (type(value) is not int and (value := _integer(value)) is None) or not 1 <= value <= spec.max_batch:
         raise InvalidField(
-            f"{spec.batch_field!r} must be an integer from 1 to {spec.max_batch}, got {value!r}.",
+            f"{spec.batch_field!r} must be an integer from 1 to {spec.max_batch}, got {data[spec.batch_field]!r}.",
             field=spec.batch_field,
         )
     return value
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(item) is int for item in value)
+    return isinstance(value, list) and bool(value) and all(type(i) is int or _integer(i) is not None for i in value)
+
+
+def _integer(value: Any) -> int | None:
+    """An integer as JSON Schema (and pydantic) see it: ``2`` or ``2.0``, never ``true``; else None."""
+    if type(value) is int:
+        return value
+    return int(value) if type(value) is float and value.is_integer() else None
 
 
 def _json_type(value: Any) -> str:
