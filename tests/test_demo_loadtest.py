@@ -71,7 +71,7 @@ async def serve(app: Starlette) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
         server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, 60)
 
 
 def config(url: str, **values: object) -> LoadTestConfig:
