@@ -27,8 +27,8 @@ from ._demo import loaded_model, model_dir, running  # noqa: E402
 from ._demo import settings as demo_settings  # noqa: E402
 
 CAP = 4
-#: Examples per operation: enough to meet every field (it found 9 mismatches in the schema before),
-#: few enough for the default run. Derandomized, so a failure reproduces.
+#: Examples per operation: enough to meet every field (at this size it found each mismatch the
+#: schema had), few enough for the default run. Derandomized, so a failure reproduces.
 EXAMPLES = 10
 PROBLEM = "application/problem+json"
 
