@@ -23,6 +23,7 @@ from gpu_asgi import (
     ThermalPolicy,
     auto_probe,
     budget_bytes,
+    configure_tracing,
     health_router,
     ledger_from_url,
 )
@@ -44,8 +45,16 @@ THERMAL_CLAMP_MAX_NEW_TOKENS = 64
 def create_app(
     settings: DemoSettings | None = None, *, model: LoadedModel | None = None, tracer_provider: Any = None
 ) -> FastAPI:
-    """The demo app. ``model`` reuses an already loaded model (tests); otherwise it is loaded here."""
+    """The demo app. ``model`` reuses an already loaded model (tests); otherwise it is loaded here.
+
+    With ``settings.tracing`` and no ``tracer_provider``, tracing is configured from the ``OTEL_*``
+    variables here (also under ``uvicorn --factory``) and flushed when the lifespan ends.
+    """
     settings = settings if settings is not None else DemoSettings()
+    # Here rather than in __main__, so that `uvicorn --factory demo_service:create_app` traces too.
+    owned_provider = None
+    if tracer_provider is None and settings.tracing:
+        tracer_provider = owned_provider = configure_tracing(service_name="gpu_asgi-demo")
     loaded = (
         model
         if model is not None
@@ -91,6 +100,8 @@ def create_app(
         aclose = getattr(ledger, "aclose", None)  # the Redis ledger's heartbeat and connections
         if aclose is not None:
             await aclose()
+        if owned_provider is not None:
+            owned_provider.shutdown()  # flush the last spans
 
     app = FastAPI(
         title="gpu_asgi demo service",

@@ -1,7 +1,6 @@
 """``POST /v1/generate``: the seed's schema, ``{prompt, max_new_tokens}`` in, text and usage out."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the body type is built per app (it declares its cap).
 import time
 from typing import Annotated
 
@@ -11,15 +10,17 @@ from gpu_asgi import Admission, gpu_admission, gpu_bound
 
 from ._generation import Sampling
 from ._prompts import encode_all
-from ._schemas import AdmissionInfo, GenerateRequest, GenerateResponse, usage
+from ._responses import error_responses
+from ._schemas import AdmissionInfo, GenerateResponse, request_models, usage
 from ._service import DemoService, complete, new_id
 
 
 def generate_router(service: DemoService) -> APIRouter:
     router = APIRouter(tags=["generate"])
     settings = service.settings
+    bodies = request_models(max_new_tokens_cap=settings.max_new_tokens_cap, vocab_size=service.vocab_size)
 
-    @router.post("/v1/generate", response_model=GenerateResponse)
+    @router.post("/v1/generate", response_model=GenerateResponse, responses=error_responses(openai=False))
     @gpu_bound(
         prompt="prompt",
         max_tokens_fields=("max_new_tokens",),
@@ -28,7 +29,9 @@ def generate_router(service: DemoService) -> APIRouter:
         batch_field=None,
     )
     async def generate(
-        body: GenerateRequest, request: Request, admission: Annotated[Admission, Depends(gpu_admission)]
+        body: bodies.generate,  # type: ignore[name-defined]  # a class built per app
+        request: Request,
+        admission: Annotated[Admission, Depends(gpu_admission)],
     ) -> GenerateResponse:
         """Generate from raw text (no chat template). ``temperature`` 0, the default, is greedy."""
         (prompt,) = await encode_all(service.encode, [body.prompt])

@@ -22,6 +22,10 @@ from gpu_asgi import gpu_phase
 
 from ._model import LoadedModel
 
+#: Temperatures below this are greedy: dividing the logits by a tinier one overflows them to inf,
+#: and sampling from the resulting NaN probabilities fails (a schema-driven test found 6e-55).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
@@ -32,7 +36,7 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def key(self) -> tuple[float, float]:

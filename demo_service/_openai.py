@@ -5,12 +5,12 @@ prompt *as rendered* by the chat template), checks ``max_tokens`` and ``n``, and
 before the endpoint runs. ``temperature`` 0 is greedy; anything else samples (OpenAI's default is 1).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the endpoints' body types are built per app (they declare
+# its max_tokens cap), and FastAPI can resolve only annotations that are objects or module globals.
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 
@@ -19,27 +19,26 @@ from gpu_asgi import Admission, gpu_admission, gpu_bound
 from ._generation import Sampling
 from ._jobs import Generation
 from ._prompts import chat_prompt, encode_all, render_chat
+from ._responses import error_responses
 from ._schemas import (
+    MAX_SEQUENCES,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
     ChatMessageOut,
-    ChatRequest,
     Completion,
     CompletionChoice,
-    CompletionRequest,
     ModelCard,
     ModelList,
     OpenAIRequest,
     Usage,
+    request_models,
     usage,
 )
 from ._service import SSE_DONE, DemoService, EventStream, complete, hold_until_device_done, new_id, sse
 
-#: Most sequences one request may ask for (``n``, and prompts in a completions list).
-MAX_SEQUENCES = 8
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -47,6 +46,8 @@ def openai_router(service: DemoService) -> APIRouter:
     router = APIRouter(prefix="/v1", tags=["openai"])
     settings = service.settings
     tokenizer = service.loaded.tokenizer
+    bodies = request_models(max_new_tokens_cap=settings.max_new_tokens_cap, vocab_size=service.vocab_size)
+    errors = error_responses(openai=True)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != service.model_name:
@@ -58,16 +59,19 @@ def openai_router(service: DemoService) -> APIRouter:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=service.model_name, created=service.created)])
 
-    @router.post("/completions", response_model=None, responses={200: {"model": Completion}})
+    @router.post("/completions", response_model=None, responses={200: _ok(Completion, stream=True), **errors})
     @gpu_bound(
         prompt="prompt",
         max_tokens_fields=("max_tokens",),
         default_max_new_tokens=min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_new_tokens_cap),
         max_new_tokens_cap=settings.max_new_tokens_cap,
         max_batch=MAX_SEQUENCES,
+        openai_errors=True,  # refusals also carry OpenAI's error object, which OpenAI's SDKs show
     )
     async def completions(
-        body: CompletionRequest, request: Request, admission: Annotated[Admission, Depends(gpu_admission)]
+        body: bodies.completion,  # type: ignore[name-defined]  # a class built per app
+        request: Request,
+        admission: Annotated[Admission, Depends(gpu_admission)],
     ) -> Completion | EventStream:
         check_model(body.model)
         prompts = await _completion_prompts(service, body.prompt)
@@ -97,16 +101,19 @@ def openai_router(service: DemoService) -> APIRouter:
         choices = [CompletionChoice(index=s.index, text=s.text.text, finish_reason=s.finish_reason) for s in sequences]
         return Completion(id=cid, created=created, model=service.model_name, choices=choices, usage=_usage(generation))
 
-    @router.post("/chat/completions", response_model=None, responses={200: {"model": ChatCompletion}})
+    @router.post("/chat/completions", response_model=None, responses={200: _ok(ChatCompletion, stream=True), **errors})
     @gpu_bound(
         prompt=chat_prompt(tokenizer),
         max_tokens_fields=("max_completion_tokens", "max_tokens"),
         default_max_new_tokens=settings.default_max_new_tokens,
         max_new_tokens_cap=settings.max_new_tokens_cap,
         max_batch=MAX_SEQUENCES,
+        openai_errors=True,  # refusals also carry OpenAI's error object, which OpenAI's SDKs show
     )
     async def chat_completions(
-        body: ChatRequest, request: Request, admission: Annotated[Admission, Depends(gpu_admission)]
+        body: bodies.chat,  # type: ignore[name-defined]  # a class built per app
+        request: Request,
+        admission: Annotated[Admission, Depends(gpu_admission)],
     ) -> ChatCompletion | EventStream:
         check_model(body.model)
         text = render_chat(tokenizer, body.model_dump()["messages"])
@@ -143,6 +150,14 @@ def openai_router(service: DemoService) -> APIRouter:
         )
 
     return router
+
+
+def _ok(model: type[Any], *, stream: bool) -> dict[str, Any]:
+    """A 200 answer: the model as JSON, or (``"stream": true``) server-sent events of its chunks."""
+    content: dict[str, Any] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+    if stream:
+        content["text/event-stream"] = {}  # data: {chunk} events, then data: [DONE]
+    return {"description": "The completion (or, streamed, its chunks).", "model": model, "content": content}
 
 
 def _submit(service: DemoService, admission: Admission, prompts: list[list[int]], body: OpenAIRequest) -> Generation:

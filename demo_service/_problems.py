@@ -33,8 +33,13 @@ _REASONS = {
 }
 
 
-def problem(status: int, title: str, detail: str, request: Request, **extensions: Any) -> JSONResponse:
-    """A problem+json answer; it also carries OpenAI's ``error`` member, which OpenAI's SDKs show."""
+def problem(
+    status: int, title: str, detail: str, request: Request, *, param: str | None = None, **extensions: Any
+) -> JSONResponse:
+    """A problem+json answer; it also carries OpenAI's ``error`` member, which OpenAI's SDKs show.
+
+    ``param`` names the request field at fault, as OpenAI's ``error.param`` does.
+    """
     reason = _REASONS.get(status, f"http-{status}")
     body = {
         "type": PROBLEM_TYPE_PREFIX + reason,
@@ -46,6 +51,7 @@ def problem(status: int, title: str, detail: str, request: Request, **extensions
         "error": {
             "message": detail,
             "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": param,
             "code": reason,
         },
     }
@@ -59,7 +65,8 @@ async def _validation(request: Request, exc: Exception) -> Response:
         for error in exc.errors()
     ]
     detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
-    return problem(422, "The request body is invalid", detail, request, errors=errors)
+    param = errors[0]["field"] if errors and errors[0]["field"] != "body" else None
+    return problem(422, "The request body is invalid", detail, request, param=param, errors=errors)
 
 
 async def _http(request: Request, exc: Exception) -> Response:

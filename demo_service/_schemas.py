@@ -3,13 +3,36 @@
 Sizes (prompt, ``max_tokens``, ``n``) are checked by gpu_asgi before the endpoint runs, and the
 endpoint generates exactly the ``max_new_tokens`` the middleware admitted. These models check the
 rest, and name the OpenAI parameters this demo does not implement instead of silently ignoring them.
+
+The schemas also *declare* every limit the server enforces (gpu_asgi's cap on ``max_tokens``, ``n``,
+the sequences per request, the OpenAI parameters that only take their neutral value), so that
+generated clients and schema-driven testers see them: the per-app limits (the cap, the vocabulary)
+go in through :func:`request_models`.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+#: Most sequences one request may ask for (``n``, and prompts in a completions list, and their product).
+MAX_SEQUENCES = 8
+
+
+def only(*values: Any) -> Any:
+    """``json_schema_extra`` for an OpenAI parameter this demo accepts only at its neutral value(s).
+
+    The field's schema becomes ``{"enum": [...]}``: ``const: null`` would not survive FastAPI,
+    which drops null members from the OpenAPI document.
+    """
+
+    def narrow(schema: dict[str, Any]) -> None:
+        for key in ("anyOf", "type", "additionalProperties", "items"):
+            schema.pop(key, None)
+        schema["enum"] = list(values)
+
+    return narrow
 
 
 class Usage(BaseModel):
@@ -40,7 +63,7 @@ class GenerateRequest(BaseModel):
     max_new_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: list[str] | None = Field(None, max_length=4)
+    stop: Annotated[list[str], Field(max_length=4)] | None = None
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -82,15 +105,17 @@ class OpenAIRequest(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_SEQUENCES, description=f"Sequences per prompt (prompts x n <= {MAX_SEQUENCES}).")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, max_length=4)
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     seed: int | None = None
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, json_schema_extra=only(0), description="Not supported: 0 only.")
+    frequency_penalty: float = Field(0.0, json_schema_extra=only(0), description="Not supported: 0 only.")
+    logit_bias: dict[str, float] | None = Field(
+        None, json_schema_extra=only(None, {}), description="Not supported: null or {} only."
+    )
 
     #: (field, value that is fine): anything else is refused with a clear 422.
     UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = (
@@ -119,13 +144,52 @@ class OpenAIRequest(BaseModel):
 # -- /v1/completions ---------------------------------------------------------------------------
 
 
+def _sequences_limit(schema: dict[str, Any]) -> None:
+    # prompts x n <= MAX_SEQUENCES, in JSON Schema: one prompt (text or token ids) with any n, or a
+    # list of at most k prompts with n <= MAX_SEQUENCES // k, for each k where that bound changes.
+    branches: list[dict[str, Any]] = [
+        {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}}}
+    ]
+    k = 1
+    while k <= MAX_SEQUENCES:
+        most = MAX_SEQUENCES // (MAX_SEQUENCES // k)  # the largest list length with the same bound on n
+        branches.append({"properties": {"prompt": {"maxItems": most}, "n": {"maximum": MAX_SEQUENCES // k}}})
+        k = most + 1
+    schema["anyOf"] = branches
+
+
+def _prompt_schema(vocab_size: int | None) -> Any:
+    """The ``prompt`` limits the endpoint enforces (with clearer messages than a union's), declared.
+
+    Text or token ids, every prompt at least one token, at most ``MAX_SEQUENCES`` prompts, token ids
+    below the vocabulary size.
+    """
+    token_id: dict[str, Any] = {"type": "integer", "minimum": 0}
+    if vocab_size is not None:
+        token_id["maximum"] = vocab_size - 1
+    ids = {"type": "array", "minItems": 1, "items": token_id}
+    many = {"minItems": 1, "maxItems": MAX_SEQUENCES}
+
+    def declare(schema: dict[str, Any]) -> None:
+        schema["anyOf"] = [
+            {"type": "string", "minLength": 1},
+            {"type": "array", **many, "items": {"type": "string", "minLength": 1}},
+            ids,
+            {"type": "array", **many, "items": ids},
+        ]
+
+    return declare
+
+
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    model_config = ConfigDict(json_schema_extra=_sequences_limit)
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=_prompt_schema(None))
     max_tokens: int | None = Field(None, ge=1)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: bool = Field(False, json_schema_extra=only(False), description="Not supported: false only.")
+    logprobs: int | None = Field(None, json_schema_extra=only(None), description="Not supported.")
+    best_of: int | None = Field(None, json_schema_extra=only(1, None), description="Not supported: 1 only.")
+    suffix: str | None = Field(None, json_schema_extra=only(None), description="Not supported.")
 
     UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = (
         *OpenAIRequest.UNSUPPORTED,
@@ -170,11 +234,15 @@ class ChatRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = Field(None, json_schema_extra=only(False, None), description="Not supported.")
+    top_logprobs: int | None = Field(None, json_schema_extra=only(None), description="Not supported.")
+    tools: list[Any] | None = Field(None, json_schema_extra=only(None), description="Not supported.")
+    tool_choice: Any = Field(None, json_schema_extra=only(None), description="Not supported.")
+    response_format: dict[str, Any] | None = Field(
+        None,
+        json_schema_extra={"properties": {"type": {"const": "text"}}},
+        description='Only {"type": "text"}.',
+    )
 
     UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = (
         *OpenAIRequest.UNSUPPORTED,
@@ -243,3 +311,33 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class RequestModels(NamedTuple):
+    generate: type[GenerateRequest]
+    completion: type[CompletionRequest]
+    chat: type[ChatRequest]
+
+
+def request_models(*, max_new_tokens_cap: int, vocab_size: int) -> RequestModels:
+    """The request models of one app, declaring its ``max_tokens`` cap and its token-id range."""
+
+    def tokens() -> Any:
+        return Field(None, ge=1, le=max_new_tokens_cap, description=f"At most {max_new_tokens_cap} (the server's cap).")
+
+    prompt = Field(json_schema_extra=_prompt_schema(vocab_size))
+    return RequestModels(
+        generate=create_model("GenerateRequest", __base__=GenerateRequest, max_new_tokens=(int | None, tokens())),
+        completion=create_model(
+            "CompletionRequest",
+            __base__=CompletionRequest,
+            prompt=(str | list[str] | list[int] | list[list[int]], prompt),
+            max_tokens=(int | None, tokens()),
+        ),
+        chat=create_model(
+            "ChatRequest",
+            __base__=ChatRequest,
+            max_tokens=(int | None, tokens()),
+            max_completion_tokens=(int | None, tokens()),
+        ),
+    )

@@ -9,9 +9,9 @@ This is the one place the demo reads its configuration: ``DEMO_*`` environment v
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, BeforeValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: The default CPU budget: small on purpose, so that a handful of long requests fill it and the
@@ -19,6 +19,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 #: or thirty short chat turns, fit at once). A real GPU's budget is derived from the device.
 DEFAULT_CPU_BUDGET_BYTES = 256 * 2**20
 DEFAULT_RUNTIME_OVERHEAD_BYTES = 2**30
+
+
+def _status_code(value: Any) -> Any:
+    # Environment variables and flags arrive as strings, and pydantic compares a Literal[429, 503]
+    # strictly: "429" would be refused. Whole numbers in text become ints; the Literal checks the rest.
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+RejectStatus = Annotated[Literal[429, 503], BeforeValidator(_status_code)]
 
 
 class DemoSettings(BaseSettings):
@@ -83,7 +92,7 @@ class DemoSettings(BaseSettings):
     max_wait: float = Field(
         default=10.0, gt=0, description="Seconds a request may wait for memory before 503 queue-timeout."
     )
-    reject_status: Literal[429, 503] = Field(default=503, description="Status for overload answers.")
+    reject_status: RejectStatus = Field(default=503, description="Status for overload answers: 429 or 503.")
     max_new_tokens_cap: int = Field(
         default=1024, ge=1, description="Largest max_tokens / max_new_tokens a request may ask for."
     )

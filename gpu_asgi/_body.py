@@ -251,7 +251,7 @@ def _as_int(value: Any) -> int | None:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(item) is int for item in value)
+    return isinstance(value, list) and bool(value) and all(_as_int(item) is not None for item in value)
 
 
 def _json_type(value: Any) -> str:

@@ -94,6 +94,13 @@ class DeviceGuard:
     def fails_closed(self) -> bool:
         return self.on_probe_failure == "closed"
 
+    def unreadable(self, device: str, snapshot: DeviceSnapshot, now: float) -> str | None:
+        """Why ``device`` has no usable free-memory figure in ``snapshot``, or None when it has one."""
+        reading = snapshot.readings.get(device) if snapshot.fresh(now, self.max_age) else None
+        if reading is not None and reading.available_bytes is not None:
+            return None
+        return _why_unreadable(device, snapshot, now, self.max_age)
+
     def refusal(self, device: str, nbytes: int, snapshot: DeviceSnapshot, now: float) -> AdmissionRejected | None:
         """The error to answer with, or None to admit. The caller sets ``retry_after``."""
         reading = snapshot.readings.get(device) if snapshot.fresh(now, self.max_age) else None
@@ -101,7 +108,7 @@ class DeviceGuard:
         if available is None:
             if not self.fails_closed:
                 return None
-            why = _why_unreadable(device, snapshot, now, self.max_age)
+            why = self.unreadable(device, snapshot, now)
             return DeviceProbeFailed(f"The free memory of {device} could not be checked: {why}.", device=device)
         needed = nbytes + self.margin_bytes
         if available >= needed:

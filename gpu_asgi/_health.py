@@ -4,10 +4,12 @@
 so it is safe for a liveness/readiness probe at any rate. Statuses:
 
 - ``ok`` (200): admitting normally.
-- ``degraded`` (200): still admitting, but a device is above the thermal threshold or the
-  device probe fails or is stale (with a fail-open guard, or none).
+- ``degraded`` (200): still admitting, but a device is above the thermal threshold, the
+  device probe fails or is stale (with a fail-open guard, or none), or the shared ledger is
+  unreachable and this process admits from its local share.
 - ``unavailable`` (503): new requests would be refused: the queue is full, the device guard fails
-  closed and has no usable reading, or a device is above ``unavailable_above_celsius``.
+  closed and has no usable reading, a device is above ``unavailable_above_celsius``, or the shared
+  ledger is unreachable and fails closed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def health_report(
     max_queue = getattr(ledger, "max_queue", None)
     if max_queue is not None and stats.waiting >= max_queue:
         unavailable.append(f"the admission queue is full ({stats.waiting} waiting)")
+    if getattr(ledger, "available", True) is False:  # the shared (Redis) ledger did not answer
+        if getattr(ledger, "on_unavailable", "fail-closed") == "local":
+            degraded.append("the shared ledger is unreachable: admitting from this process's local share")
+        else:
+            unavailable.append("the shared ledger is unreachable and admission fails closed (ledger-unavailable)")
     snapshot = sampler.snapshot if sampler is not None else None
     probe: dict[str, Any] | None = None
     if snapshot is not None and sampler is not None:
@@ -55,11 +62,18 @@ def health_report(
             "age_seconds": None if age is None else round(age, 3),
             "error": snapshot.error,
         }
+        closed_guard = device_guard if device_guard is not None and device_guard.fails_closed else None
         if not usable:
             why = snapshot.error or f"the last reading is {age:.1f} s old"
-            (unavailable if device_guard is not None and device_guard.fails_closed else degraded).append(
+            (unavailable if closed_guard is not None else degraded).append(
                 f"the device probe has no usable reading: {why}"
             )
+        elif closed_guard is not None:  # a fresh snapshot can still lack a device, or its free memory
+            names = [device.name for device in stats.devices]
+            missing = [(name, unreadable) for name in names if (unreadable := closed_guard.unreadable(name, snapshot, now))]
+            if missing:  # the guard refuses these devices; when that is all of them, every request
+                reasons = [f"the device guard cannot check {name}: {why}" for name, why in missing]
+                (unavailable if len(missing) == len(names) else degraded).extend(reasons)
         if thermal is not None and usable:
             for name, reading in snapshot.readings.items():
                 celsius = reading.temperature_celsius

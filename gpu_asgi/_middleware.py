@@ -124,6 +124,7 @@ class GPUAdmissionMiddleware:
         sampler: DeviceSampler | None = None,
         thermal: ThermalPolicy | None = None,
         device_guard: DeviceGuard | None = None,
+        openai_errors: bool = False,
     ) -> None:
         if reject_status not in (429, 503):
             raise ValueError("reject_status must be 429 or 503")
@@ -146,6 +147,7 @@ class GPUAdmissionMiddleware:
         self.sampler = sampler
         self.thermal = thermal
         self.device_guard = device_guard
+        self.openai_errors = openai_errors  # a route's own RouteSpec.openai_errors wins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -256,7 +258,7 @@ class GPUAdmissionMiddleware:
         except GPUAdmissionError as error:
             if metrics is not None:
                 metrics.record_rejection(error.reason)
-            await self._answer(send, scope, error)
+            await self._answer(send, scope, error, spec)
             return None
         span = self._tracer.start_span(otel.QUEUE_WAIT_SPAN)  # not made current: the endpoint's spans are siblings
         if span.is_recording():
@@ -267,7 +269,7 @@ class GPUAdmissionMiddleware:
         try:
             reservation, pending = await self._reserve(span, nbytes, spec, receive)
         except GPUAdmissionError as error:
-            await self._answer(send, scope, error)
+            await self._answer(send, scope, error, spec)
             return None
         if reservation is None:
             return None  # disconnected while queued: never admitted
@@ -292,10 +294,11 @@ class GPUAdmissionMiddleware:
         )
         await send_problem(send, error, instance=scope.get("path", ""))
 
-    async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError) -> None:
+    async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError, spec: RouteSpec) -> None:
         # 429 (when configured) is for overload only; a ledger or probe outage stays a 503.
         status = self.reject_status if isinstance(error, _OVERLOAD) else error.status
-        await send_problem(send, error, status=status, instance=scope.get("path", ""))
+        openai = self.openai_errors if spec.openai_errors is None else spec.openai_errors
+        await send_problem(send, error, status=status, instance=scope.get("path", ""), openai=openai)
 
     async def _reserve(
         self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive

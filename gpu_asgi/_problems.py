@@ -1,9 +1,10 @@
-"""problem+json (RFC 9457) responses and the ``Retry-After`` header."""
+"""problem+json (RFC 9457) responses, optionally with OpenAI's ``error`` object, and ``Retry-After``."""
 
 from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 from ._errors import GPUAdmissionError
 from ._types import Send
@@ -17,8 +18,27 @@ def retry_after_header(seconds: float) -> bytes:
     return str(max(1, math.ceil(seconds))).encode("ascii")
 
 
-async def send_problem(send: Send, error: GPUAdmissionError, *, status: int | None = None, instance: str = "") -> None:
-    """Send ``error`` as a complete ``application/problem+json`` response."""
+def openai_error(error: GPUAdmissionError, status: int) -> dict[str, Any]:
+    """OpenAI's error object for ``error``: what OpenAI's SDKs read to build their exception.
+
+    ``message`` is the problem's title and detail (the SDKs put it in the exception's text),
+    ``code`` its reason slug, ``param`` the body field at
+    fault (or None); ``type`` follows OpenAI's families: ``invalid_request_error`` for a 4xx,
+    ``rate_limit_exceeded`` for a 429, ``server_error`` for a 5xx.
+    """
+    kind = "rate_limit_exceeded" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+    message = f"{error.title}: {error.detail}"
+    return {"message": message, "type": kind, "param": error.extensions.get("field"), "code": error.reason}
+
+
+async def send_problem(
+    send: Send, error: GPUAdmissionError, *, status: int | None = None, instance: str = "", openai: bool = False
+) -> None:
+    """Send ``error`` as a complete ``application/problem+json`` response.
+
+    With ``openai``, the body also carries OpenAI's ``{"error": {...}}`` member (an RFC 9457
+    extension member), so OpenAI's client libraries show the reason in their exception.
+    """
     status = status or error.status
     payload: dict[str, object] = {
         "type": error.type,
@@ -29,6 +49,8 @@ async def send_problem(send: Send, error: GPUAdmissionError, *, status: int | No
     if instance:
         payload["instance"] = instance
     payload.update(error.extensions)
+    if openai:
+        payload["error"] = openai_error(error, status)
     body = json.dumps(payload, separators=(",", ":")).encode("utf-8")
     headers = [
         (b"content-type", b"application/problem+json"),

@@ -49,6 +49,8 @@ class RouteSpec:
     methods: frozenset[str] = field(default=frozenset({"POST"}))
     #: Tokens added to OpenAI ``messages`` once per conversation, for the chat template.
     chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS
+    #: Refusals also carry OpenAI's ``error`` object; None follows the middleware's ``openai_errors``.
+    openai_errors: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, str):
@@ -80,6 +82,7 @@ def gpu_bound(
     priority: int = 0,
     devices: Sequence[str] | str | None = None,
     chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS,
+    openai_errors: bool | None = None,
 ) -> Callable[[F], F]:
     """Tag an endpoint as GPU-bound. Returns the function itself, so decorator order is free."""
     spec = RouteSpec(
@@ -93,6 +96,7 @@ def gpu_bound(
         priority=priority,
         devices=tuple(devices) if devices is not None and not isinstance(devices, str) else devices,  # type: ignore[arg-type]
         chat_template_tokens=chat_template_tokens,
+        openai_errors=openai_errors,
     )
 
     def decorate(endpoint: F) -> F:

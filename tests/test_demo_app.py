@@ -34,6 +34,17 @@ def estimate(model: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> int
     return BucketedEstimator(base).estimate(prompt_tokens, max_new_tokens)
 
 
+def test_the_sizes_docs_demo_md_gives_for_the_cpu_budget(model: LoadedModel) -> None:
+    # docs/demo.md ("Why the CPU budget is 256 MiB") and docs/load-testing.md quote these.
+    from demo_service._settings import DEFAULT_CPU_BUDGET_BYTES
+
+    mib = 2**20
+    figures = {(30, 128): 7.5, (250, 128): 14.0, (1000, 96): 62.2}
+    assert {lengths: round(estimate(model, *lengths) / mib, 1) for lengths in figures} == figures
+    assert DEFAULT_CPU_BUDGET_BYTES // estimate(model, 1000, 96) == 4  # four long documents fill it
+    assert DEFAULT_CPU_BUDGET_BYTES // estimate(model, 30, 128) == 34
+
+
 async def test_generate_returns_text_usage_and_the_admission(model: LoadedModel) -> None:
     prompt = "The quick brown fox jumps over the lazy dog."
     async with running(model) as app, client(app) as http:
@@ -184,11 +195,11 @@ async def test_client_that_disconnects_mid_stream_frees_its_bytes_and_stops_gene
                 released_while_busy.append(True)
             return free
 
-        await wait_until(released, timeout=10)
+        await wait_until(released, timeout=60)
         # The bytes came back only once the batch had left the device, and it stopped early:
         # far fewer than 1,024 tokens were generated.
         assert not released_while_busy
-        await wait_until(lambda: batcher.idle, timeout=10)
+        await wait_until(lambda: batcher.idle, timeout=60)
         assert batcher.tokens_generated < 200
         # And the device is free for the next request at once.
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
@@ -205,7 +216,10 @@ async def test_each_request_is_traced_and_so_is_its_batch(model: LoadedModel) ->
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    app = create_app(settings(tracing=True, batch_window_ms=300), model=model, tracer_provider=provider)
+    # The batch forms when both are in (max_batch_size), not when a window ends: no race with a busy machine.
+    app = create_app(
+        settings(tracing=True, batch_window_ms=60_000, max_batch_size=2), model=model, tracer_provider=provider
+    )
     async with app.router.lifespan_context(app), client(app) as http:
         bodies = [{"prompt": f"Trace me {i}", "max_new_tokens": 3} for i in range(2)]
         await asyncio.gather(*(http.post("/v1/generate", json=body) for body in bodies))
@@ -223,6 +237,32 @@ async def test_each_request_is_traced_and_so_is_its_batch(model: LoadedModel) ->
     assert {link.context.span_id for link in batch.links} == {s.context.span_id for s in servers}
     inside = {s.name for s in spans if s.parent is not None and s.parent.span_id == batch.context.span_id}
     assert inside == {"gpu_asgi.host_to_device", "gpu_asgi.generate"}
+
+
+async def test_tracing_setting_alone_configures_tracing_as_under_uvicorn_factory(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `uvicorn --factory demo_service:create_app` passes no provider: DEMO_TRACING must be enough.
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import demo_service._app as demo_app
+    from gpu_asgi import configure_tracing
+
+    exporter = InMemorySpanExporter()
+    providers = []
+
+    def configure(**options: object) -> object:  # the real one, exporting in memory and not installed globally
+        providers.append(configure_tracing(**options, exporter=exporter, batch=True, set_global=False))  # type: ignore[arg-type]
+        return providers[-1]
+
+    monkeypatch.setattr(demo_app, "configure_tracing", configure)
+    app = create_app(settings(tracing=True), model=model)
+    async with app.router.lifespan_context(app), client(app) as http:
+        answer = await http.post("/v1/generate", json={"prompt": "Trace me", "max_new_tokens": 2})
+    assert answer.status_code == 200 and len(providers) == 1
+    # the lifespan's end flushed the batch processor: the spans are exported without a manual shutdown
+    names = {span.name for span in exporter.get_finished_spans()}
+    assert {"POST /v1/generate", "gpu_asgi.queue_wait", "gpu_asgi.generate"} <= names
 
 
 def test_settings_come_from_the_environment_and_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import importlib.util
 import json
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -69,7 +71,7 @@ async def serve(app: Starlette) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
         server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, 60)
 
 
 def config(url: str, **values: object) -> LoadTestConfig:
@@ -164,3 +166,28 @@ def test_workload_mix_and_metrics_parsing() -> None:
         "in_flight": 3.0,
     }
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([], 50) is None
+
+
+def test_the_locustfile_needs_nothing_but_locust() -> None:
+    # docs/load-testing.md installs only locust: the locustfile must not pull in the load tester's
+    # own dependencies (httpx, tqdm, prometheus-client, matplotlib) nor the demo's.
+    if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process (gevent)
+        pytest.skip("locust is not installed")
+    script = (
+        "import importlib.abc, runpy, sys\n"
+        "BLOCKED = {'httpx', 'tqdm', 'prometheus_client', 'matplotlib', 'torch', 'transformers', 'fastapi', 'pydantic'}\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in BLOCKED:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "namespace = runpy.run_path('demo_service/loadtest/locustfile.py')\n"
+        "user = namespace['ChatUser']\n"
+        "print('ok', user.__name__, len(namespace['_JOBS']))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ok ChatUser 1000")

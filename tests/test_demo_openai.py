@@ -89,5 +89,18 @@ async def test_errors_reach_the_client_as_its_own_exceptions(model: LoadedModel)
         with pytest.raises(openai.APIStatusError) as too_big:  # more than the whole 256 MiB budget (SDPA: ~16k tokens)
             long = [{"role": "user", "content": "word " * 16000}]
             await api.chat.completions.create(model="qwen2-tiny", messages=long, max_tokens=1024)
-    assert too_big.value.status_code == 413
-    assert too_big.value.body["type"] == "urn:gpu-asgi:problem:exceeds-budget"  # type: ignore[index]
+    assert too_big.value.status_code == 413 and too_big.value.code == "exceeds-budget"
+    assert "needs more GPU memory than the budget" in str(too_big.value)
+    assert too_big.value.response.json()["type"] == "urn:gpu-asgi:problem:exceeds-budget"  # still problem+json
+
+
+async def test_gpu_asgi_refusals_show_their_reason_in_the_client(model: LoadedModel) -> None:
+    # gpu_asgi answers these before the endpoint runs; the client's exception must say why.
+    async with serving(model, max_new_tokens_cap=64, default_max_new_tokens=16) as (_app, port), client(port) as api:
+        with pytest.raises(openai.UnprocessableEntityError) as over_cap:
+            await api.chat.completions.create(model="qwen2-tiny", messages=CHAT, max_tokens=65)
+        with pytest.raises(openai.UnprocessableEntityError) as too_many:
+            await api.completions.create(model="qwen2-tiny", prompt="hi", n=9, max_tokens=2)
+    assert over_cap.value.code == "invalid-field" and over_cap.value.param == "max_tokens"
+    assert "max_tokens" in str(over_cap.value) and "64" in str(over_cap.value)
+    assert too_many.value.param == "n" and "'n'" in str(too_many.value)

@@ -301,3 +301,40 @@ def test_policies_need_a_sampler() -> None:
         GPUAdmissionMiddleware(
             Starlette(), ledger=Ledger(10), estimator=LinearEstimator(bytes_per_token=1), thermal=ThermalPolicy()
         )
+
+
+@pytest.mark.parametrize("reading", [None, DeviceReading("cuda:0", temperature_celsius=40.0)], ids=["no-reading", "no-free-figure"])
+async def test_health_unavailable_when_a_closed_guard_refuses_every_device(reading: DeviceReading | None) -> None:
+    # The probe answers (a fresh snapshot), but not for the ledger's device, or without its free
+    # memory: admission refuses every request, so /health must not say ok.
+    ledger = Ledger(1000)
+    probe = SettableProbe() if reading is None else SettableProbe(a=reading)
+    sampler = sampler_for(probe)
+    guard = DeviceGuard(margin_bytes=0, on_probe_failure="closed")
+    async with client(app_with(ledger, sampler, device_guard=guard)) as http:
+        refused = await http.post("/generate", json={"prompt": "a", "max_new_tokens": 5})
+        health = await http.get("/ops/health")
+    assert refused.status_code == 503 and refused.headers["x-gpu-admission-reason"] == "device-probe-failed"
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert health.json()["reasons"] == [f"the device guard cannot check cuda:0: {refused.json()['detail'].split(': ', 1)[1][:-1]}"]
+
+
+async def test_health_degraded_when_a_closed_guard_can_check_only_some_devices() -> None:
+    ledger = Ledger({"cuda:0": 1000, "cuda:1": 1000})
+    sampler = sampler_for(SettableProbe(a=DeviceReading("cuda:1", memory_free_bytes=GIB)))
+    report = health_report(ledger, sampler=sampler, device_guard=DeviceGuard(on_probe_failure="closed"))
+    assert report["status"] == "degraded"
+    assert report["reasons"] == ["the device guard cannot check cuda:0: the probe has no reading for cuda:0"]
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("fail-closed", "unavailable"), ("local", "degraded")])
+def test_health_follows_an_unreachable_shared_ledger(mode: str, expected: str) -> None:
+    # RedisLedger's `available` and `on_unavailable`, on an in-process ledger: fail-closed refuses
+    # every request (503 ledger-unavailable), so /health must say so too.
+    class Unreachable(Ledger):
+        available = False
+        on_unavailable = mode
+
+    report = health_report(Unreachable(1000))
+    assert report["status"] == expected and "shared ledger is unreachable" in report["reasons"][0]
+    assert health_report(Ledger(1000))["status"] == "ok"

@@ -1,13 +1,35 @@
 """Load testing for the demo service (or any server with the same APIs).
 
 ``python -m demo_service.loadtest --help`` for the CLI; ``run_load(LoadTestConfig(...))`` in-process.
-``locustfile.py`` here offers the same workload to locust users. Nothing here imports torch.
+``locustfile.py`` here offers the same workload to locust users. Nothing here imports torch, and
+names are imported on first use, so the locustfile (which needs only ``_workload`` and ``_retry``)
+runs where httpx, tqdm and prometheus-client are not installed.
 """
 
-from ._report import summarize, write_json
-from ._runner import LoadResult, LoadTestConfig, RequestRecord, parse_retry_after, run_load
-from ._workload import DEFAULT_MIX, LengthClass, make_jobs, parse_mix
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._report import summarize, write_json
+    from ._retry import parse_retry_after
+    from ._runner import LoadResult, LoadTestConfig, RequestRecord, run_load
+    from ._workload import DEFAULT_MIX, LengthClass, make_jobs, parse_mix
+
+_WHERE = {
+    "DEFAULT_MIX": "._workload",
+    "LengthClass": "._workload",
+    "LoadResult": "._runner",
+    "LoadTestConfig": "._runner",
+    "RequestRecord": "._runner",
+    "make_jobs": "._workload",
+    "parse_mix": "._workload",
+    "parse_retry_after": "._retry",
+    "run_load": "._runner",
+    "summarize": "._report",
+    "write_json": "._report",
+}
 __all__ = [
     "DEFAULT_MIX",
     "LengthClass",
@@ -21,3 +43,16 @@ __all__ = [
     "summarize",
     "write_json",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'demo_service.loadtest' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,7 +9,6 @@ otherwise it counts as rejected and the client moves on.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import json
 import time
 from collections import deque
@@ -19,11 +18,9 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
+from ._retry import REASON_HEADER, REJECTED, parse_retry_after
 from ._scrape import Timeline, scrape
 from ._workload import DEFAULT_MIX, ENDPOINTS, Job, LengthClass, make_jobs
-
-REJECTED = (429, 503)
-REASON_HEADER = "x-gpu-admission-reason"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,20 +90,6 @@ class LoadResult:
     timeline: Timeline
     started_at: float  # wall clock (time.time()) at the start
     duration: float
-
-
-def parse_retry_after(value: str | None) -> float | None:
-    """``Retry-After`` as seconds: delay-seconds or an HTTP date (RFC 9110)."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 async def run_load(config: LoadTestConfig) -> LoadResult:

@@ -1,5 +1,8 @@
 """The load test's workload for locust users (``pip install locust``; not a dependency of the demo).
 
+Run from the repository root (locust puts the working directory on ``sys.path``); it imports
+nothing but locust and the standard library, so ``pip install locust`` is all it needs.
+
     locust -f demo_service/loadtest/locustfile.py --host http://127.0.0.1:8000 \\
         --users 16 --spawn-rate 16 --run-time 2m --headless
 
@@ -17,7 +20,7 @@ import time
 
 from locust import HttpUser, between, task
 
-from demo_service.loadtest._runner import REASON_HEADER, parse_retry_after
+from demo_service.loadtest._retry import REASON_HEADER, parse_retry_after
 from demo_service.loadtest._workload import make_jobs
 
 _JOBS = make_jobs(1000, endpoint="chat", seed=0)
