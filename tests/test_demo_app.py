@@ -39,9 +39,9 @@ def test_the_sizes_docs_demo_md_gives_for_the_cpu_budget(model: LoadedModel) -> 
     from demo_service._settings import DEFAULT_CPU_BUDGET_BYTES
 
     mib = 2**20
-    figures = {(30, 128): 7.5, (250, 128): 14.0, (1000, 96): 62.2}
+    figures = {(30, 128): 7.5, (250, 128): 9.0, (1000, 96): 21.9}
     assert {lengths: round(estimate(model, *lengths) / mib, 1) for lengths in figures} == figures
-    assert DEFAULT_CPU_BUDGET_BYTES // estimate(model, 1000, 96) == 4  # four long documents fill it
+    assert DEFAULT_CPU_BUDGET_BYTES // estimate(model, 1000, 96) == 11  # eleven long documents fill it
     assert DEFAULT_CPU_BUDGET_BYTES // estimate(model, 30, 128) == 34
 
 

@@ -27,6 +27,7 @@ def make_app(*, middleware_option: bool | None, route_option: bool | None, ledge
     app = FastAPI()
 
     async def answer(request: Request) -> JSONResponse:
+        await request.body()  # admission happens at the body read
         return JSONResponse({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": []})
 
     @app.post("/v1/completions")
