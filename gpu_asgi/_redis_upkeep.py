@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -54,6 +55,9 @@ class Upkeep:
         self._restoring: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
+        #: The event loop this ledger serves, and its thread (releases from others are handed to it).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = 0
         self._owner = ""
         self._ids = itertools.count(1)
 
@@ -62,8 +66,16 @@ class Upkeep:
             raise RuntimeError("this RedisLedger is closed")
         if not self._owner:  # chosen on first use, in the process that uses it (after any fork)
             self._owner = f"{socket.gethostname().replace(' ', '_')}:{os.getpid()}:{secrets.token_hex(3)}"
+        loop = asyncio.get_running_loop()
+        if self._loops and self._loops[0].get_loop() is not loop:
+            previous = self._loops[0].get_loop()
+            if previous.is_running() and not previous.is_closed():
+                raise RuntimeError(
+                    "this RedisLedger already serves another running event loop: create one per event loop"
+                )
+            self._loops = []  # that loop has stopped: its tasks will never run again
         if not self._loops or self._loops[0].done():
-            loop = asyncio.get_running_loop()
+            self.loop, self.thread = loop, threading.get_ident()
             self._loops = [loop.create_task(self._heartbeat_forever(), name="gpu_asgi-redis-heartbeat")]
             if self.notify:
                 self._loops.append(loop.create_task(self._listen_forever(), name="gpu_asgi-redis-wake"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Literal, Self
 
@@ -33,12 +34,13 @@ from ._ledger import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_WAIT,
-    RATE_WINDOW,
+    MAX_TIMEOUT,
     Ledger,
     LedgerStatistics,
     Reservation,
+    check_priority,
 )
-from ._redis_scripts import PRIORITY_LIMIT, Beat, LedgerScripts, RedisDown
+from ._redis_scripts import Beat, LedgerScripts, RedisDown
 from ._redis_upkeep import RETRIES, Upkeep, cancels
 
 __all__ = ["RedisLedger"]
@@ -127,7 +129,6 @@ class RedisLedger:
             heartbeat=heartbeat,
             max_bypass=max_bypass,
             max_queue=max_queue,
-            rate_window=RATE_WINDOW,
             timeout=redis_timeout,
         )
         self._upkeep = Upkeep(self._scripts, redis, name=namespace, heartbeat=heartbeat, notify=notify)
@@ -179,14 +180,13 @@ class RedisLedger:
         when Redis fails and ``on_unavailable`` is ``"fail-closed"``. Never waits past ``timeout``
         (default ``max_wait``), whatever Redis does.
         """
+        check_priority(priority)
         names = self._allowed(devices, nbytes)
-        if not -PRIORITY_LIMIT < priority < PRIORITY_LIMIT:
-            raise ValueError(f"priority must be within ±{PRIORITY_LIMIT - 1}")
         upkeep = self._upkeep
         upkeep.start()
         loop = asyncio.get_running_loop()
         wait = self.max_wait if timeout is None else timeout
-        start, deadline, cancelled = loop.time(), loop.time() + wait, cancels()
+        start, deadline, cancelled = loop.time(), loop.time() + min(wait, MAX_TIMEOUT), cancels()
         if upkeep.skipping():
             return await self._fallback(nbytes, names, priority, deadline)
         rid = upkeep.new_id()
@@ -194,7 +194,7 @@ class RedisLedger:
         settled, reason = False, ""
         try:
             async with asyncio.timeout_at(deadline):
-                state, detail = await self._scripts.reserve(rid, nbytes, devices and names, priority)
+                state, detail = await self._scripts.reserve(rid, nbytes, names, priority)
                 upkeep.came_up()
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
@@ -204,7 +204,7 @@ class RedisLedger:
                         message = f"{detail} requests are already waiting for GPU memory."
                         raise QueueFull(message, retry_after=self.retry_after(nbytes))
                     if state == "gone":  # Redis lost the queue (a restart): join it again
-                        state, detail = await self._scripts.reserve(rid, nbytes, devices and names, priority)
+                        state, detail = await self._scripts.reserve(rid, nbytes, names, priority)
                         continue
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(self.poll_interval):
@@ -253,10 +253,13 @@ class RedisLedger:
     def _allowed(self, devices: Sequence[str] | None, nbytes: int) -> tuple[str, ...]:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
-        names = self.devices if devices is None else tuple(devices)
-        unknown = [name for name in names if name not in self._capacities]
-        if unknown or not names:
-            raise ValueError(f"unknown device {unknown[0] if unknown else None!r}; the ledger has {self.devices}")
+        chosen = self.devices if devices is None else set(devices)
+        unknown = [name for name in chosen if name not in self._capacities]
+        if unknown:
+            raise ValueError(f"unknown device {unknown[0]!r}; the ledger has {self.devices}")
+        if not chosen:
+            raise ValueError(f"no device given; the ledger has {self.devices}")
+        names = tuple(name for name in self._capacities if name in chosen)  # the ledger's order, always
         largest = max(self._capacities[name] for name in names)
         if nbytes > largest:
             self._upkeep.spawn(self._upkeep.retrying(self._scripts.count_rejection, NeverFits.reason, tries=1))
@@ -272,16 +275,24 @@ class RedisLedger:
         return reservation
 
     def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        loop = self._upkeep.loop
+        if loop is not None and threading.get_ident() != self._upkeep.thread and not loop.is_closed():
+            # From a worker thread: the calls to Redis are the loop's, so hand them over at once.
+            loop.call_soon_threadsafe(self._returned, reservation, reservation.nbytes, finished)
+        else:
+            self._returned(reservation, reservation.nbytes, finished)
+
+    def _returned(self, reservation: Reservation, keep: int, finished: bool) -> None:
         rid, upkeep = reservation.id, self._upkeep
         inner = self._inner.pop(rid, None) if finished else self._inner.get(rid)
         if inner is not None:
-            inner.release() if finished else inner.shrink(reservation.nbytes)
+            inner.release() if finished else inner.shrink(keep)
         if finished:
             upkeep.held.pop(rid, None)
         if inner is None or rid in upkeep.restored:  # it is (also) in Redis
             if finished:
                 upkeep.restored.discard(rid)
-            upkeep.release(rid, reservation.nbytes, finished)
+            upkeep.release(rid, keep, finished)
 
     # -- lifecycle ----------------------------------------------------------------------
 
