@@ -10,6 +10,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redis_lua as lua
 from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, retry_after
@@ -23,7 +24,12 @@ POOL_RETRY_SECONDS = 0.002
 
 
 class RedisDown(Exception):
-    """Redis could not be reached, or did not answer within the timeout."""
+    """Redis could not be reached."""
+
+
+class RedisSlow(RedisDown):
+    """No answer within the timeout (a busy Redis, or a wait for a pooled connection): not an
+    outage by itself; the caller asks the probe whether Redis is up."""
 
 
 def text(value: Any) -> str:
@@ -116,7 +122,9 @@ class LedgerScripts:
                         # A caller's client with redis-py's default (non-blocking) pool, all of its
                         # connections busy: that is a burst, not an outage. Wait for one.
                         await asyncio.sleep(POOL_RETRY_SECONDS)
-        except (RedisError, OSError) as exc:  # OSError covers TimeoutError, ours and the socket's
+        except (TimeoutError, RedisTimeoutError) as exc:  # ours, the socket's or redis-py's
+            raise RedisSlow(f"no answer within {self.timeout:g} s") from exc
+        except (RedisError, OSError) as exc:
             raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
     async def reserve(self, id: str, nbytes: int, devices: Sequence[str], priority: int) -> tuple[str, str]:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Literal, Self
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -40,14 +40,17 @@ from ._ledger import (
     Reservation,
     check_priority,
 )
-from ._redis_scripts import Beat, LedgerScripts, RedisDown
+from ._redis_scripts import Beat, LedgerScripts, RedisDown, RedisSlow
 from ._redis_upkeep import RETRIES, Upkeep, cancels
 
 __all__ = ["RedisLedger"]
 
 DEFAULT_NAMESPACE = "gpu_asgi"
 DEFAULT_LEASE_TTL = 10.0
-DEFAULT_POLL_INTERVAL = 0.5
+#: Waiters are woken by pub/sub; this poll is the fallback (and the pace while the channel is down).
+DEFAULT_POLL_INTERVAL = 2.0
+#: The poll while this process's wake-up subscription is not up yet (or lost).
+UNSUBSCRIBED_POLL_INTERVAL = 0.05
 DEFAULT_REDIS_TIMEOUT = 1.0
 DEFAULT_MAX_CONNECTIONS = 32
 
@@ -111,10 +114,12 @@ class RedisLedger:
         self.local_share = local_share
         self._owns_client = isinstance(redis, str)
         if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
+            # A call waits for a free connection as long as its own timeout allows (timeout=None
+            # here): a burst queues for connections, and a wait is "slow", never "down".
             pool = BlockingConnectionPool.from_url(
                 redis,
                 max_connections=max_connections,
-                timeout=redis_timeout,
+                timeout=None,
                 retry=Retry(NoBackoff(), 1),
                 socket_timeout=redis_timeout,
                 socket_connect_timeout=redis_timeout,
@@ -131,7 +136,13 @@ class RedisLedger:
             max_queue=max_queue,
             timeout=redis_timeout,
         )
-        self._upkeep = Upkeep(self._scripts, redis, name=namespace, heartbeat=heartbeat, notify=notify)
+        # The probe's own connection: a busy pool never makes Redis look down.
+        base = redis.connection_pool
+        probe_pool = ConnectionPool(connection_class=base.connection_class, max_connections=1, **base.connection_kwargs)
+        self._probe_client = Redis.from_pool(probe_pool)
+        self._upkeep = Upkeep(
+            self._scripts, redis, self._probe_client, name=namespace, heartbeat=heartbeat, notify=notify
+        )
         self._local: Ledger | None = None
         if on_unavailable == "local" and local_share is not None:
             share = {name: max(1, int(nbytes * local_share)) for name, nbytes in capacities.items()}
@@ -194,8 +205,7 @@ class RedisLedger:
         settled, reason = False, ""
         try:
             async with asyncio.timeout_at(deadline):
-                state, detail = await self._scripts.reserve(rid, nbytes, names, priority)
-                upkeep.came_up()
+                state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority))
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
                         raise asyncio.CancelledError
@@ -203,15 +213,18 @@ class RedisLedger:
                         settled = True  # no ticket was taken
                         message = f"{detail} requests are already waiting for GPU memory."
                         raise QueueFull(message, retry_after=self.retry_after(nbytes))
-                    if state == "gone":  # Redis lost the queue (a restart): join it again
-                        state, detail = await self._scripts.reserve(rid, nbytes, names, priority)
+                    if state == "gone":  # never queued (a slow first call), or Redis lost the queue: join
+                        state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority))
                         continue
+                    poll = self.poll_interval if upkeep.listening else UNSUBSCRIBED_POLL_INTERVAL
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.poll_interval):
+                        async with asyncio.timeout(poll):
                             await wake.wait()
                     wake.clear()
+                    if upkeep.skipping():  # another call found Redis down meanwhile
+                        raise RedisDown(upkeep.down)
                     granted = upkeep.grants.pop(rid, None)  # the wake-up names the device: no round trip
-                    state, detail = ("granted", granted) if granted else await self._scripts.claim(rid)
+                    state, detail = ("granted", granted) if granted else await self._ask(self._scripts.claim(rid))
             settled = True
             return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start))
         except TimeoutError:
@@ -227,6 +240,18 @@ class RedisLedger:
             if not settled:  # leave the queue, and give back a lease granted as we gave up
                 upkeep.leave(rid, reason)
         return await self._fallback(nbytes, names, priority, deadline)
+
+    async def _ask(self, call: Awaitable[tuple[str, str]]) -> tuple[str, str]:
+        """A script's answer; ``("waiting", "")`` when it was only slow and Redis answers the probe
+        (the next claim, by the same id, finds out what happened)."""
+        try:
+            answer = await call
+        except RedisSlow:
+            if not await self._upkeep.probe():
+                raise
+            return "waiting", ""
+        self._upkeep.came_up()
+        return answer
 
     async def _fallback(self, nbytes: int, names: tuple[str, ...], priority: int, deadline: float) -> Reservation:
         local = self._local
@@ -309,6 +334,7 @@ class RedisLedger:
     async def aclose(self) -> None:
         """Stop the heartbeat, let pending releases land (bounded), close a client made from a URL."""
         await self._upkeep.aclose(drain_timeout=self.redis_timeout * RETRIES + 1)
+        await self._probe_client.aclose()
         if self._owns_client:
             await self._client.aclose()
 
