@@ -16,9 +16,9 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ._drain import DrainRate, retry_after
 from ._errors import NeverFits, QueueFull, QueueTimeout
@@ -85,7 +85,7 @@ class BudgetLedger(Protocol):
         self, nbytes: int, *, devices: Sequence[str] | None = None, priority: int = 0, timeout: float | None = None
     ) -> Reservation: ...
 
-    def retry_after(self, nbytes: int = 0) -> float: ...
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float: ...
 
     def statistics(self) -> LedgerStatistics: ...
 
@@ -151,6 +151,12 @@ def check_priority(priority: int) -> int:
     if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValueError(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r}")
     return priority
+
+
+def bytes_ahead(lanes: Iterable[tuple[tuple[int, int, Any], int]], nbytes: int, priority: int) -> int:
+    """Queued bytes a new request would wait behind: ``lanes`` are ((priority, size class, _), bytes)."""
+    mine = size_class(nbytes)
+    return sum(n for (p, c, _), n in lanes if p >= priority and c <= mine)
 
 
 def size_class(nbytes: int) -> int:
@@ -224,6 +230,7 @@ class Ledger:
         self._lanes: dict[tuple[int, int, tuple[int, ...]], OrderedDict[int, _Waiter]] = {}
         self._waiting = 0
         self._waiting_bytes = 0
+        self._lane_bytes: dict[tuple[int, int, tuple[int, ...]], int] = {}
         self._reserved = 0
         self._ids = itertools.count(1)
         self._admitted = 0
@@ -281,12 +288,13 @@ class Ledger:
             self._count_rejection(QueueFull.reason)
             raise QueueFull(
                 f"{self._waiting} requests are already waiting for GPU memory.",
-                retry_after=self.retry_after(nbytes),
+                retry_after=self.retry_after(nbytes, priority=priority),
             )
         waiter = _Waiter(next(self._ids), nbytes, allowed, priority, self._clock())
         self._lanes.setdefault(waiter.lane, OrderedDict())[waiter.seq] = waiter
         self._waiting += 1
         self._waiting_bytes += nbytes
+        self._lane_bytes[waiter.lane] = self._lane_bytes.get(waiter.lane, 0) + nbytes
         self._dispatch()
         if waiter.future.done():
             return waiter.future.result()
@@ -304,7 +312,7 @@ class Ledger:
                 self._count_rejection(QueueTimeout.reason)
                 raise QueueTimeout(
                     f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
-                    retry_after=self.retry_after(nbytes),
+                    retry_after=self.retry_after(nbytes, priority=priority),
                 ) from None
             raise
 
@@ -360,8 +368,9 @@ class Ledger:
         """Admit lane heads while one can be admitted (see the module docstring)."""
         while self._waiting:
             heads = self._heads()
+            claims = [h for h in heads if h.passed >= self.max_bypass]  # usually none
             for waiter in heads:
-                device = self._placement(waiter, heads)
+                device = _placement(waiter, claims)
                 if device is not None:
                     break
             else:
@@ -385,19 +394,15 @@ class Ledger:
         heads.sort(key=_order)
         return heads
 
-    def _placement(self, waiter: _Waiter, heads: list[_Waiter]) -> _Device | None:
-        """The device ``waiter`` is admitted on now, if any: the allowed one with the most free
-        bytes among those no earlier head has claimed (passed ``max_bypass`` times)."""
-        claimed = [h.devices for h in heads if h.seq < waiter.seq and h.passed >= self.max_bypass]
-        usable = tuple(d for d in waiter.devices if not any(d in devices for devices in claimed))
-        return _place(waiter.nbytes, usable) if usable else None
-
     def _dequeue(self, waiter: _Waiter) -> None:
         lane = self._lanes.get(waiter.lane)
         if lane is None or lane.pop(waiter.seq, None) is None:
             return
         if not lane:
             del self._lanes[waiter.lane]
+            del self._lane_bytes[waiter.lane]
+        else:
+            self._lane_bytes[waiter.lane] -= waiter.nbytes
         self._waiting -= 1
         self._waiting_bytes -= waiter.nbytes
 
@@ -428,14 +433,17 @@ class Ledger:
         """Bytes given back per busy second (an average over about ``RATE_WINDOW`` busy seconds)."""
         return self._drain.rate
 
-    def retry_after(self, nbytes: int = 0) -> float:
-        """Seconds until ``nbytes`` would fit behind every queued request, at the observed drain rate.
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float:
+        """Seconds until a request of ``nbytes`` at ``priority`` arriving now would likely be admitted.
 
-        ``(queued bytes + nbytes - free bytes) / release rate``, within [1 s, 600 s]; with no
-        release observed yet, ``max_wait`` within the same range.
+        ``(bytes queued ahead + nbytes - free bytes) / drain rate``, within [1 s, 600 s]. Ahead
+        are the waiters at its priority or higher in its size class or a smaller one (a larger
+        waiter that does not fit is passed). With no release observed yet, ``max_wait``, within
+        the same range.
         """
+        ahead = bytes_ahead(self._lane_bytes.items(), nbytes, priority)
         free = sum(device.free for device in self._all)
-        return retry_after(max(0, self._waiting_bytes + nbytes - free), self.release_rate(), self.max_wait)
+        return retry_after(max(0, ahead + nbytes - free), self.release_rate(), self.max_wait)
 
     def statistics(self) -> LedgerStatistics:
         return LedgerStatistics(
@@ -454,6 +462,16 @@ MAX_TIMEOUT = 1e9
 
 def _order(waiter: _Waiter) -> tuple[int, int]:
     return (-waiter.priority, waiter.seq)
+
+
+def _placement(waiter: _Waiter, claims: list[_Waiter]) -> _Device | None:
+    """The device ``waiter`` is admitted on now, if any: the allowed one with the most free bytes
+    among those no earlier head has claimed (by being passed ``max_bypass`` times)."""
+    claimed = [h.devices for h in claims if h.seq < waiter.seq]
+    if not claimed:
+        return _place(waiter.nbytes, waiter.devices)
+    usable = tuple(d for d in waiter.devices if not any(d in devices for devices in claimed))
+    return _place(waiter.nbytes, usable) if usable else None
 
 
 def _place(nbytes: int, devices: tuple[_Device, ...]) -> _Device | None:

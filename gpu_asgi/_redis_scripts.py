@@ -14,7 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redis_lua as lua
 from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, retry_after
-from ._ledger import DeviceStatistics, LedgerStatistics
+from ._ledger import DeviceStatistics, LedgerStatistics, bytes_ahead
 
 _KEYS = ("expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot", "lanes")
 
@@ -72,9 +72,16 @@ class Beat:
         admitted = self.counts.get("admitted", 0)
         return LedgerStatistics(devices, self.waiting, self.waiting_bytes, admitted, rejected, self.release_rate)
 
-    def retry_after(self, capacities: Mapping[str, int], nbytes: int, max_wait: float) -> float:
+    def retry_after(self, capacities: Mapping[str, int], nbytes: int, max_wait: float, priority: int = 0) -> float:
+        """As :meth:`Ledger.retry_after <gpu_asgi.Ledger.retry_after>`, from this snapshot."""
+        lanes = []
+        for key, n in self.counts.items():
+            if key.startswith("bytes:"):
+                p, c, devices = key.removeprefix("bytes:").split(":", 2)
+                lanes.append(((int(p), int(c), devices), n))
         free = sum(capacity - self.reserved.get(name, 0) for name, capacity in capacities.items())
-        return retry_after(max(0, self.waiting_bytes + nbytes - free), self.release_rate, max_wait)
+        ahead = bytes_ahead(lanes, nbytes, priority)
+        return retry_after(max(0, ahead + nbytes - free), self.release_rate, max_wait)
 
 
 class LedgerScripts:

@@ -212,7 +212,7 @@ class RedisLedger:
                     if state == "full":
                         settled = True  # no ticket was taken
                         message = f"{detail} requests are already waiting for GPU memory."
-                        raise QueueFull(message, retry_after=self.retry_after(nbytes))
+                        raise QueueFull(message, retry_after=self.retry_after(nbytes, priority=priority))
                     if state == "gone":  # never queued (a slow first call), or Redis lost the queue: join
                         state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority))
                         continue
@@ -230,7 +230,8 @@ class RedisLedger:
         except TimeoutError:
             reason = QueueTimeout.reason
             raise QueueTimeout(
-                f"No GPU memory became free for {nbytes} bytes within {wait:g} s.", retry_after=self.retry_after(nbytes)
+                f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
+                retry_after=self.retry_after(nbytes, priority=priority),
             ) from None
         except RedisDown as exc:
             upkeep.went_down(exc)
@@ -347,9 +348,9 @@ class RedisLedger:
 
     # -- rates and statistics -------------------------------------------------------------
 
-    def retry_after(self, nbytes: int = 0) -> float:
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float:
         """As the in-process ledger's, from the shared release rate of the last snapshot."""
-        return self._upkeep.beat.retry_after(self._capacities, nbytes, self.max_wait)
+        return self._upkeep.beat.retry_after(self._capacities, nbytes, self.max_wait, priority)
 
     def statistics(self) -> LedgerStatistics:
         """Every worker's reservations and queue, as of the last heartbeat (at most ``heartbeat`` s old).

@@ -208,6 +208,27 @@ async def test_idle_time_does_not_drag_the_release_rate_down() -> None:
         holder.release()  # 1000 bytes over 10 busy seconds: the same rate
 
 
+async def test_retry_after_counts_the_bytes_ahead_of_the_request() -> None:
+    """Ahead of a new request: waiters at its priority or higher, in its size class or a smaller
+    one. A larger waiter that does not fit is passed, a lower priority one waits behind it."""
+    clock = FakeClock()
+    ledger = Ledger(1000, clock=clock, max_wait=30)
+    for _ in range(10):  # 100 bytes per busy second
+        reservation = await ledger.reserve(100)
+        clock.now += 1
+        reservation.release()
+    holder = await ledger.reserve(1000)
+    big = asyncio.ensure_future(ledger.reserve(900))  # class 10
+    low = asyncio.ensure_future(ledger.reserve(200, priority=-1))  # class 8, lower priority
+    await settle()
+    assert ledger.retry_after(300) == pytest.approx(3.0)  # class 9: nothing ahead of it
+    assert ledger.retry_after(250, priority=-1) == pytest.approx(4.5)  # the 200 at its priority
+    assert ledger.retry_after(600) == pytest.approx(15.0)  # the 900 (its class); not the lower-priority 200
+    holder.release()
+    for task in (big, low):
+        (await task).release()
+
+
 @pytest.mark.parametrize("max_wait", [float("inf"), 3600.0, 1e300, 0.0])
 async def test_retry_after_is_finite_and_clamped_for_any_max_wait(max_wait: float) -> None:
     ledger = Ledger(100, max_wait=max_wait, max_queue=0)
