@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ._estimate import Estimator
+from ._ledger import check_priority
 from ._types import Scope
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
@@ -61,6 +62,7 @@ class RouteSpec:
             raise ValueError("max_batch must be at least 1")
         if self.chat_template_tokens < 0:
             raise ValueError("chat_template_tokens must be >= 0")
+        check_priority(self.priority)  # refused when the route is declared, not on its first request
 
 
 def gpu_bound(

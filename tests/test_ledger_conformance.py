@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpu_asgi import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, Ledger, NeverFits, QueueFull, Reservation
+from gpu_asgi import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, Ledger, NeverFits, QueueFull, Reservation, gpu_bound
 
 from . import _redis
 from ._asgi import settle
@@ -254,3 +254,9 @@ async def test_a_second_running_event_loop_gets_a_clear_error(backend: Backend) 
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
     assert "another running event loop" in str(errors[0])
     (await ledger.reserve(10)).release()  # this loop still works
+
+
+def test_a_route_with_a_priority_out_of_range_is_refused_when_declared() -> None:
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        gpu_bound(priority=MAX_PRIORITY + 1)
+    gpu_bound(priority=MIN_PRIORITY)  # the edges are fine
