@@ -160,14 +160,20 @@ end
 local function heads()
   local hs = {}
   for _, lane in ipairs(redis.call('SMEMBERS', K_LANES)) do
-    local first = redis.call('ZRANGE', lane_key(lane), 0, 0)[1]
-    local raw = first and redis.call('HGET', K_TICKET, first)
-    if raw then
-      local w = cjson.decode(raw)
-      w.id, w.bytes = first, tonumber(w.n)
-      hs[#hs + 1] = w
-    elseif not first then
-      redis.call('SREM', K_LANES, lane)
+    while true do
+      local first = redis.call('ZRANGE', lane_key(lane), 0, 0)[1]
+      if not first then
+        redis.call('SREM', K_LANES, lane)
+        break
+      end
+      local raw = redis.call('HGET', K_TICKET, first)
+      if raw then
+        local w = cjson.decode(raw)
+        w.id, w.bytes = first, tonumber(w.n)
+        hs[#hs + 1] = w
+        break
+      end
+      redis.call('ZREM', lane_key(lane), first)  -- a ticket that went without its lane entry
     end
   end
   table.sort(hs, function(a, b)
