@@ -4,14 +4,16 @@
 only its own requests, so together they over-commit the GPU. :class:`RedisLedger` keeps the same
 interface and semantics with one budget per device across all of them:
 
-- reserve and release are atomic Lua scripts on the server (``_redis_lua``);
-- one global queue, FIFO by priority, with the in-process ledger's bounded bypass, so no worker's
-  waiters starve another's; waiters are woken by pub/sub, with a poll as the fallback;
+- reserve and release are atomic Lua scripts on the server (``_redis_lua``) that apply the
+  in-process ledger's decision rule to one global queue, so no worker's waiters starve another's;
+  a script looks only at lane heads, so its cost does not grow with the number of waiters;
+- waiters are woken by pub/sub, with a slow poll as the fallback;
 - each reservation is a lease renewed by a heartbeat (``_redis_upkeep``): a crashed worker's
   bytes come back within ``lease_ttl``; leases Redis lost while still held are put back;
-- Redis unreachable or slower than ``redis_timeout``: :class:`~gpu_asgi.LedgerUnavailable` (503)
-  by default, or an in-process ledger with ``local_share`` of each budget; Redis back: used again
-  without a restart.
+- Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
+  connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger
+  with ``local_share`` of each budget; Redis back: used again without a restart. A call that is
+  only slow leaves the request waiting.
 
 ``pip install 'gpu_asgi[redis]'``; see docs/deployment.md.
 """
