@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Self
@@ -25,7 +26,7 @@ from typing import Any, Self
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
-from gpu_asgi import AdmissionRejected, BudgetLedger, DeviceExecutor, Reservation, gpu_phase
+from gpu_asgi import MAX_PRIORITY, AdmissionRejected, BudgetLedger, DeviceExecutor, Reservation, gpu_phase
 
 from ._buckets import BucketedEstimator
 from ._forming import choose_batch
@@ -36,8 +37,14 @@ from ._model import LoadedModel
 
 BATCH_SPAN = "demo_service.batch"
 #: Padding loans come before any route's requests; they are granted at once or not at all.
-BORROW_PRIORITY = 1 << 30
+BORROW_PRIORITY = MAX_PRIORITY
 BORROW_TIMEOUT = 0.05
+
+logger = logging.getLogger("demo_service.batching")
+
+
+class BatchFormingFailed(RuntimeError):
+    """The collector could not form a batch; the requests it held fail with this (a 500 problem)."""
 
 
 class Batcher:
@@ -180,6 +187,9 @@ class Batcher:
     # -- the collector ----------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Collect and run batches until closed. It never dies of an error: a batch it cannot form
+        fails the requests waiting for one at once (their endpoints answer 500, and the middleware
+        gives their bytes back), any loan goes back, and collecting goes on."""
         loop = asyncio.get_running_loop()
         while True:
             await self._nonempty.wait()
@@ -187,10 +197,18 @@ class Batcher:
             if remaining > 0 and self._pending_rows < self.max_batch_size:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._full.wait(), remaining)
-            batch, missing = self._choose(self._spare_bytes())
-            loan = await self._borrow(missing) if missing else None
-            if missing and loan is None:  # the bytes went elsewhere meanwhile: pad nothing
-                batch, _ = self._choose(0)
+            loan: Reservation | None = None
+            try:
+                batch, missing = self._choose(self._spare_bytes())
+                loan = await self._borrow(missing) if missing else None
+                if missing and loan is None:  # the bytes went elsewhere meanwhile: pad nothing
+                    batch, _ = self._choose(0)
+            except Exception as exc:
+                logger.exception("the batcher could not form a batch; failing the requests waiting for one")
+                if loan is not None:
+                    loan.release()
+                self._fail_pending(BatchFormingFailed(f"no batch could be formed ({type(exc).__name__}: {exc})"))
+                continue
             self._remove(batch)
             self._running = bool(batch)
             try:
@@ -202,6 +220,12 @@ class Batcher:
                     loan.release()
                     if self.metrics is not None:
                         self.metrics.borrowed_bytes.inc(loan.requested_bytes)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        failed = list(self._pending)
+        self._remove(failed)
+        for generation in failed:
+            generation._fail(error)
 
     def _choose(self, spare: int) -> tuple[list[Generation], int]:
         pending = [g for g in self._pending if not g.cancelled]

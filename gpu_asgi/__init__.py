@@ -33,7 +33,7 @@ from ._estimate import (
 )
 from ._executor import DeviceExecutor
 from ._health import health_report, health_router
-from ._ledger import BudgetLedger, DeviceStatistics, Ledger, LedgerStatistics, Reservation
+from ._ledger import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, Ledger, LedgerStatistics, Reservation
 from ._ledger_url import ledger_from_url
 from ._metrics import GPUMetrics
 from ._middleware import Admission, GPUAdmissionMiddleware
@@ -45,6 +45,8 @@ from ._telemetry import Phase, gpu_phase
 from ._tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 
 __all__ = [
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
     "Admission",
     "AdmissionRejected",
     "AnalyticEstimator",

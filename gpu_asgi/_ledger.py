@@ -1,30 +1,35 @@
 """The in-process byte ledger: one VRAM budget per device, reservations, a bounded fair queue.
 
-Admission is FIFO by priority. When the request at the head does not fit, later requests that
-do fit may pass it, but at most ``max_bypass`` times; after that nothing is admitted until the
-head fits, so a large request is delayed by a bounded amount and never starved. All state is
-touched only from the event loop, so check-and-reserve is atomic without locks.
+The decision rule (docs/admission.md, "The ledger") in short: waiters queue in lanes, one per
+(priority, size class, allowed devices), each strictly FIFO; only lane heads are looked at, by
+priority and then arrival. A head that fits is admitted; one admitted ahead of an earlier head
+that could use the same device counts as passing it, and a head passed ``max_bypass`` times
+keeps its devices from every later arrival until it fits. The Redis ledger runs the same rule in
+Lua. All state is touched only from the event loop that uses the ledger, so check-and-reserve is
+atomic without locks; releases from other threads are handed to that loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from ._drain import DrainRate, retry_after
 from ._errors import NeverFits, QueueFull, QueueTimeout
 
 DEFAULT_DEVICE = "cuda:0"
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_WAIT = 30.0
 DEFAULT_MAX_BYPASS = 8
-#: Releases observed over this many seconds give the drain rate behind ``Retry-After``.
-RATE_WINDOW = 30.0
-MAX_RETRY_AFTER = 600.0
+#: Priorities are integers in this range in every ledger (the Redis ledger's queue scores need it).
+MIN_PRIORITY = -4095
+MAX_PRIORITY = 4095
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +85,7 @@ class BudgetLedger(Protocol):
         self, nbytes: int, *, devices: Sequence[str] | None = None, priority: int = 0, timeout: float | None = None
     ) -> Reservation: ...
 
-    def retry_after(self, nbytes: int = 0) -> float: ...
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float: ...
 
     def statistics(self) -> LedgerStatistics: ...
 
@@ -141,29 +146,53 @@ class Reservation:
         return f"<Reservation {self.id} on {self.device}: {state}>"
 
 
-class _Device:
-    __slots__ = ("capacity", "in_flight", "name", "reserved")
+def check_priority(priority: int) -> int:
+    """The one priority check both ledgers (and ``gpu_bound``) make: an integer in range."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r}")
+    return priority
 
-    def __init__(self, name: str, capacity: int) -> None:
+
+def bytes_ahead(lanes: Iterable[tuple[tuple[int, int, Any], int]], nbytes: int, priority: int) -> int:
+    """Queued bytes a new request would wait behind: ``lanes`` are ((priority, size class, _), bytes)."""
+    mine = size_class(nbytes)
+    return sum(n for (p, c, _), n in lanes if p >= priority and c <= mine)
+
+
+def size_class(nbytes: int) -> int:
+    """Requests within a factor of two share a lane: ``nbytes.bit_length()``."""
+    return nbytes.bit_length()
+
+
+class _Device:
+    __slots__ = ("capacity", "in_flight", "index", "name", "reserved")
+
+    def __init__(self, index: int, name: str, capacity: int) -> None:
         if capacity <= 0:
             raise ValueError(f"device {name!r} needs a positive byte capacity, got {capacity}")
+        self.index = index
         self.name = name
         self.capacity = capacity
         self.reserved = 0
         self.in_flight = 0
 
+    @property
+    def free(self) -> int:
+        return self.capacity - self.reserved
+
 
 class _Waiter:
-    __slots__ = ("bypassed", "devices", "future", "nbytes", "priority", "seq", "since")
+    __slots__ = ("devices", "future", "lane", "nbytes", "passed", "priority", "seq", "since")
 
     def __init__(self, seq: int, nbytes: int, devices: tuple[_Device, ...], priority: int, since: float) -> None:
         self.seq = seq
         self.nbytes = nbytes
         self.devices = devices
         self.priority = priority
+        self.lane = (priority, size_class(nbytes), tuple(d.index for d in devices))
         self.future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        #: How often a later request was admitted while this one headed the queue and did not fit.
-        self.bypassed = 0
+        #: Admissions of later arrivals, onto a device this waiter could use, while it headed its lane.
+        self.passed = 0
         self.since = since
 
 
@@ -172,7 +201,8 @@ class Ledger:
 
     ``capacity`` is the budget in bytes for a single device (named ``"cuda:0"``) or a mapping
     of device name to budget. Derive budgets with :func:`budget_bytes`: weights and runtime
-    overhead come off once there, never per request.
+    overhead come off once there, never per request. A ledger serves one event loop at a time;
+    a reservation may be shrunk or released from any thread.
     """
 
     def __init__(
@@ -187,21 +217,27 @@ class Ledger:
         capacities = {DEFAULT_DEVICE: capacity} if isinstance(capacity, int) else dict(capacity)
         if not capacities:
             raise ValueError("a ledger needs at least one device")
-        self._devices = {name: _Device(name, nbytes) for name, nbytes in capacities.items()}
+        if max_bypass < 0 or max_queue < 0:
+            raise ValueError("max_bypass and max_queue must be >= 0")
+        self._devices = {name: _Device(i, name, nbytes) for i, (name, nbytes) in enumerate(capacities.items())}
         self._all = tuple(self._devices.values())
         self._largest = max(device.capacity for device in self._all)
         self.max_queue = max_queue
         self.max_wait = max_wait
         self.max_bypass = max_bypass
         self._clock = clock
-        self._queues: dict[int, dict[int, _Waiter]] = {}  # priority -> seq -> waiter, insertion ordered
+        #: lane key -> seq -> waiter, FIFO. Only lane heads are ever examined.
+        self._lanes: dict[tuple[int, int, tuple[int, ...]], OrderedDict[int, _Waiter]] = {}
         self._waiting = 0
         self._waiting_bytes = 0
+        self._lane_bytes: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        self._reserved = 0
         self._ids = itertools.count(1)
         self._admitted = 0
         self._rejected: dict[str, int] = {}
-        self._releases: deque[tuple[float, int]] = deque()
-        self._released_in_window = 0
+        self._drain = DrainRate(clock())
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
 
     def __repr__(self) -> str:
         budgets = ", ".join(f"{d.name}={d.capacity}" for d in self._all)
@@ -221,6 +257,7 @@ class Ledger:
         allowed = self._allowed(devices, nbytes)
         if self._waiting:
             return None
+        self._bind()
         device = _place(nbytes, allowed)
         return None if device is None else self._grant(device, nbytes, 0.0)
 
@@ -236,10 +273,13 @@ class Ledger:
 
         Raises :class:`NeverFits` at once when no allowed device could ever hold the bytes,
         :class:`QueueFull` when the queue is at ``max_queue``, and :class:`QueueTimeout` after
-        ``timeout`` (default ``max_wait``) seconds. Cancelling the caller leaves the queue cleanly,
-        and bytes granted in the same instant are passed on, never leaked.
+        ``timeout`` (default ``max_wait``) seconds; ``ValueError`` for a priority outside
+        ``MIN_PRIORITY..MAX_PRIORITY``. Cancelling the caller leaves the queue cleanly, and bytes
+        granted in the same instant are passed on, never leaked.
         """
+        check_priority(priority)
         allowed = self._allowed(devices, nbytes)
+        self._bind()
         if not self._waiting:
             device = _place(nbytes, allowed)
             if device is not None:
@@ -248,32 +288,48 @@ class Ledger:
             self._count_rejection(QueueFull.reason)
             raise QueueFull(
                 f"{self._waiting} requests are already waiting for GPU memory.",
-                retry_after=self.retry_after(nbytes),
+                retry_after=self.retry_after(nbytes, priority=priority),
             )
         waiter = _Waiter(next(self._ids), nbytes, allowed, priority, self._clock())
-        self._queues.setdefault(priority, {})[waiter.seq] = waiter
+        self._lanes.setdefault(waiter.lane, OrderedDict())[waiter.seq] = waiter
         self._waiting += 1
         self._waiting_bytes += nbytes
+        self._lane_bytes[waiter.lane] = self._lane_bytes.get(waiter.lane, 0) + nbytes
         self._dispatch()
         if waiter.future.done():
             return waiter.future.result()
         wait = self.max_wait if timeout is None else timeout
         try:
-            async with asyncio.timeout(wait):
+            async with asyncio.timeout(wait if wait < MAX_TIMEOUT else None):
                 return await waiter.future
         except BaseException as exc:
             if waiter.future.done() and not waiter.future.cancelled():
                 waiter.future.result().release()  # granted as we were cancelled: pass the bytes on
             else:
                 self._dequeue(waiter)
-                self._dispatch()  # the one that left may have blocked the head
+                self._dispatch()  # the one that left may have held back others
             if isinstance(exc, TimeoutError):
                 self._count_rejection(QueueTimeout.reason)
                 raise QueueTimeout(
                     f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
-                    retry_after=self.retry_after(nbytes),
+                    retry_after=self.retry_after(nbytes, priority=priority),
                 ) from None
             raise
+
+    def _bind(self) -> None:
+        """Serve the running event loop; a second loop while the first still runs is an error."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # synchronous use (tests, scripts): nothing can wait
+        if loop is self._loop:
+            return
+        if self._loop is not None and self._loop.is_running() and not self._loop.is_closed():
+            raise RuntimeError(
+                "this Ledger already serves another running event loop; a ledger's waiters live on one "
+                "loop: create one ledger per event loop (one per process for a shared budget: RedisLedger)"
+            )
+        self._loop, self._thread = loop, threading.get_ident()
 
     def _allowed(self, devices: Sequence[str] | None, nbytes: int) -> tuple[_Device, ...]:
         if nbytes < 0:
@@ -284,9 +340,12 @@ class Ledger:
             allowed = self._all
         else:
             try:
-                allowed = tuple(self._devices[name] for name in devices)
+                chosen = {self._devices[name].index for name in devices}
             except KeyError as exc:
                 raise ValueError(f"unknown device {exc.args[0]!r}; the ledger has {self.devices}") from None
+            if not chosen:
+                raise ValueError(f"no device given; the ledger has {self.devices}")
+            allowed = tuple(d for d in self._all if d.index in chosen)  # the ledger's order, always
         largest = max(device.capacity for device in allowed)
         if nbytes > largest:
             self._count_rejection(NeverFits.reason)
@@ -298,55 +357,71 @@ class Ledger:
         return allowed
 
     def _grant(self, device: _Device, nbytes: int, waited: float) -> Reservation:
+        self._drain.advance(self._clock(), busy=True)
         device.reserved += nbytes
         device.in_flight += 1
+        self._reserved += nbytes
         self._admitted += 1
         return Reservation(self, f"r{next(self._ids)}", device.name, nbytes, waited)
 
     def _dispatch(self) -> None:
-        """Admit waiters in order; later ones pass a head that does not fit at most ``max_bypass`` times."""
-        if not self._waiting:
-            return
-        blocked: _Waiter | None = None
-        for waiter in list(self._ordered()):
-            if waiter.future.done():  # cancelled, its task has not run its cleanup yet
-                self._dequeue(waiter)
-                continue
-            device = _place(waiter.nbytes, waiter.devices)
-            if device is None:
-                if blocked is None:
-                    blocked = waiter
-                continue
-            if blocked is not None:
-                if blocked.bypassed >= self.max_bypass:
-                    return
-                blocked.bypassed += 1
+        """Admit lane heads while one can be admitted (see the module docstring)."""
+        while self._waiting:
+            heads = self._heads()
+            claims = [h for h in heads if h.passed >= self.max_bypass]  # usually none
+            for waiter in heads:
+                device = _placement(waiter, claims)
+                if device is not None:
+                    break
+            else:
+                return
+            for other in heads:  # the admitted one passes earlier heads that could use its device
+                if other.seq < waiter.seq and device in other.devices:
+                    other.passed += 1
             self._dequeue(waiter)
             waiter.future.set_result(self._grant(device, waiter.nbytes, self._clock() - waiter.since))
 
-    def _ordered(self) -> Iterator[_Waiter]:
-        for priority in sorted(self._queues, reverse=True):
-            yield from self._queues[priority].values()
+    def _heads(self) -> list[_Waiter]:
+        """Each lane's first live waiter, by priority then arrival; cancelled ones are dropped."""
+        heads = []
+        for lane in list(self._lanes.values()):
+            while lane:
+                waiter = next(iter(lane.values()))
+                if not waiter.future.done():
+                    heads.append(waiter)
+                    break
+                self._dequeue(waiter)  # cancelled, its task has not run its cleanup yet
+        heads.sort(key=_order)
+        return heads
 
     def _dequeue(self, waiter: _Waiter) -> None:
-        queue = self._queues.get(waiter.priority)
-        if queue is None or queue.pop(waiter.seq, None) is None:
+        lane = self._lanes.get(waiter.lane)
+        if lane is None or lane.pop(waiter.seq, None) is None:
             return
-        if not queue:
-            del self._queues[waiter.priority]
+        if not lane:
+            del self._lanes[waiter.lane]
+            del self._lane_bytes[waiter.lane]
+        else:
+            self._lane_bytes[waiter.lane] -= waiter.nbytes
         self._waiting -= 1
         self._waiting_bytes -= waiter.nbytes
 
     def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
-        device = self._devices[reservation.device]
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._thread and not loop.is_closed():
+            # From a worker thread: the waiters live on the loop, so the loop hands the bytes on.
+            loop.call_soon_threadsafe(self._returned, reservation.device, nbytes, finished)
+        else:
+            self._returned(reservation.device, nbytes, finished)
+
+    def _returned(self, name: str, nbytes: int, finished: bool) -> None:
+        device = self._devices[name]
+        self._drain.advance(self._clock(), busy=self._reserved > nbytes)
         device.reserved -= nbytes
+        self._reserved -= nbytes
         if finished:
             device.in_flight -= 1
-        if nbytes:
-            now = self._clock()
-            self._releases.append((now, nbytes))
-            self._released_in_window += nbytes
-            self._trim_releases(now)  # keeps the window bounded even if nobody asks for the rate
+        self._drain.released(nbytes)
         self._dispatch()
 
     # -- rates and statistics -------------------------------------------------------------
@@ -355,29 +430,20 @@ class Ledger:
         self._rejected[reason] = self._rejected.get(reason, 0) + 1
 
     def release_rate(self) -> float:
-        """Bytes per second given back over the last ``RATE_WINDOW`` seconds."""
-        now = self._clock()
-        self._trim_releases(now)
-        if not self._releases:
-            return 0.0
-        return self._released_in_window / max(now - self._releases[0][0], 1.0)
+        """Bytes given back per busy second (an average over about ``RATE_WINDOW`` busy seconds)."""
+        return self._drain.rate
 
-    def _trim_releases(self, now: float) -> None:
-        releases = self._releases
-        while releases and releases[0][0] < now - RATE_WINDOW:
-            self._released_in_window -= releases.popleft()[1]
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float:
+        """Seconds until a request of ``nbytes`` at ``priority`` arriving now would likely be admitted.
 
-    def retry_after(self, nbytes: int = 0) -> float:
-        """Seconds until ``nbytes`` would likely fit behind the queue, from the observed drain rate.
-
-        With no release observed yet there is no rate to go by; ``max_wait`` is then the hint.
+        ``(bytes queued ahead + nbytes - free bytes) / drain rate``, within [1 s, 600 s]. Ahead
+        are the waiters at its priority or higher in its size class or a smaller one (a larger
+        waiter that does not fit is passed). With no release observed yet, ``max_wait``, within
+        the same range.
         """
-        rate = self.release_rate()
-        if rate <= 0:
-            return self.max_wait
-        free = sum(device.capacity - device.reserved for device in self._all)
-        backlog = max(0, self._waiting_bytes + nbytes - free)
-        return min(MAX_RETRY_AFTER, max(1.0, backlog / rate))
+        ahead = bytes_ahead(self._lane_bytes.items(), nbytes, priority)
+        free = sum(device.free for device in self._all)
+        return retry_after(max(0, ahead + nbytes - free), self.release_rate(), self.max_wait)
 
     def statistics(self) -> LedgerStatistics:
         return LedgerStatistics(
@@ -390,7 +456,25 @@ class Ledger:
         )
 
 
+#: Timeouts at or above this many seconds (``inf`` included) mean "no timeout".
+MAX_TIMEOUT = 1e9
+
+
+def _order(waiter: _Waiter) -> tuple[int, int]:
+    return (-waiter.priority, waiter.seq)
+
+
+def _placement(waiter: _Waiter, claims: list[_Waiter]) -> _Device | None:
+    """The device ``waiter`` is admitted on now, if any: the allowed one with the most free bytes
+    among those no earlier head has claimed (by being passed ``max_bypass`` times)."""
+    claimed = [h.devices for h in claims if h.seq < waiter.seq]
+    if not claimed:
+        return _place(waiter.nbytes, waiter.devices)
+    usable = tuple(d for d in waiter.devices if not any(d in devices for devices in claimed))
+    return _place(waiter.nbytes, usable) if usable else None
+
+
 def _place(nbytes: int, devices: tuple[_Device, ...]) -> _Device | None:
-    """The allowed device with the most free bytes, if the request fits there."""
-    best = max(devices, key=lambda d: d.capacity - d.reserved) if len(devices) > 1 else devices[0]
-    return best if best.capacity - best.reserved >= nbytes else None
+    """The device with the most free bytes (the first such, in the ledger's order), if the request fits there."""
+    best = max(devices, key=lambda d: d.free) if len(devices) > 1 else devices[0]
+    return best if best.free >= nbytes else None

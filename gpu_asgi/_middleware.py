@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -358,7 +358,10 @@ class GPUAdmissionMiddleware:
                 trusted.append(device)
             elif refusal is None:
                 refusal = error
-        if refusal is not None and not trusted:
+        # None trusted, or only a guarded-off device could hold the bytes: a shortage for now (503
+        # with Retry-After), never the ledger's "waiting cannot help" (413) about the rest.
+        every = spec.devices or self.ledger.devices
+        if refusal is not None and (not trusted or _largest(self.ledger, trusted) < nbytes <= _largest(self.ledger, every)):
             refusal.retry_after = self.ledger.retry_after(nbytes)
             raise refusal
         return tuple(trusted)
@@ -403,3 +406,8 @@ class GPUAdmissionMiddleware:
             elif not reserving.cancelled() and isinstance(granted := reserving.exception() or reserving.result(), Reservation):
                 granted.release()  # we were cancelled just as the bytes were granted
             raise
+
+
+def _largest(ledger: BudgetLedger, devices: Sequence[str]) -> int:
+    """The largest budget among ``devices``."""
+    return max(d.capacity_bytes for d in ledger.statistics().devices if d.name in devices)

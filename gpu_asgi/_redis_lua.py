@@ -4,20 +4,24 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
 
 - ``expiry``   sorted set, lease or ticket id → expiry (server milliseconds); heartbeats renew it
 - ``lease``    hash, lease id → ``"<bytes> <device>"``
-- ``ticket``   hash, ticket id → ``{"n": bytes, "d": [devices], "b": times bypassed}`` (JSON)
-- ``queue``    sorted set, ticket id → ``-priority × 2^40 + sequence`` (ZRANGE gives admission order)
+- ``ticket``   hash, ticket id → ``{"n": bytes, "d": [devices], "p": priority, "s": sequence,
+  "l": lane, "b": times passed}`` (JSON)
+- ``queue``    sorted set, ticket id → sequence: every waiter, for counting
+- ``lanes``    set of lane names ``"<priority>:<size class>:<device indexes>"``; each lane is a
+  sorted set ``queue:<lane>``, ticket id → sequence (FIFO)
 - ``reserved`` / ``inflight`` hashes, device → bytes held / leases held
-- ``counts``   hash: ``seq``, ``admitted``, ``rejected:<reason>``
-- ``released`` hash, server second → bytes given back (the drain rate behind ``Retry-After``)
+- ``counts``   hash: ``seq``, ``admitted``, ``waiting_bytes``, ``rejected:<reason>``, and
+  ``bytes:<lane>``, the bytes queued in each lane (for ``Retry-After``)
+- ``released`` hash: the drain rate's decayed ``bytes`` and busy ``seconds``, ``last`` (ms), ``busy``
 - ``boot``     hash: ``id`` of this Redis dataset (set when a script finds none), ``warm`` until when
   grants pause after a data loss
 
 A request's ticket and its lease share one id, chosen by the client before the first call, so a
 caller that gives up at any point can remove both with ``leave`` whatever the server did.
-Admission runs inside the scripts: every script first reaps expired ids, then ``dispatch`` admits
-queued tickets in order (a later ticket may pass a blocked head ``max_bypass`` times), turning
-each admitted ticket into a lease owned by its waiter and publishing ``{id: device}`` on the wake
-channel, so a woken waiter needs no further round trip.
+Admission runs inside the scripts with the in-process ledger's rule (docs/admission.md, "The
+ledger"): ``dispatch`` looks only at lane heads, so its cost grows with the number of lanes, never
+with the number of waiters. Each admitted ticket becomes a lease owned by its waiter and
+``{id: device}`` is published on the wake channel, so a woken waiter needs no further round trip.
 Time is the server's (``TIME``), so the hosts' clocks never matter.
 
 Data loss (Redis restarted without persistence, or flushed): a caller
@@ -27,18 +31,22 @@ and puts them back (``restore``); requests queue meanwhile. A namespace used for
 has no earlier id to compare with and starts at once.
 """
 
-#: Every script starts with these helpers. KEYS: the nine keys above; ARGV: the ledger's config
+#: Every script starts with these helpers. KEYS: the ten keys above; ARGV: the ledger's config
 #: (JSON), the boot id the caller last saw ('' if none), then the script's own arguments (ARG).
+#: A script's body is the function ``main``; ``finish`` then records whether bytes are reserved.
 PRELUDE = """
-local K_EXP, K_LEASE, K_TICKET, K_QUEUE, K_RES, K_INFL, K_COUNT, K_REL, K_BOOT =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local K_EXP, K_LEASE, K_TICKET, K_QUEUE, K_RES, K_INFL, K_COUNT, K_REL, K_BOOT, K_LANES =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local cfg = cjson.decode(ARGV[1])
 local ARG = {}
 for i = 3, #ARGV do ARG[i - 2] = ARGV[i] end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 
-local function int(x) return string.format('%.0f', x) end
+local function int(x)
+  if x == 0 then return '0' end  -- not '-0', which HINCRBY refuses
+  return string.format('%.0f', x)
+end
 
 local boot = redis.call('HGET', K_BOOT, 'id')
 if not boot then
@@ -50,12 +58,34 @@ if ARGV[2] ~= '' and ARGV[2] ~= boot then  -- the caller saw an earlier dataset:
 end
 local warming = now < tonumber(redis.call('HGET', K_BOOT, 'warm') or '0')
 
+-- The drain rate (gpu_asgi/_drain.py): decay by busy time only, since the last script.
+do
+  local rel = redis.call('HMGET', K_REL, 'bytes', 'seconds', 'last', 'busy')
+  local last = tonumber(rel[3] or now)
+  if rel[4] == '1' and now > last then
+    local elapsed = (now - last) / 1000
+    local decay = math.exp(-elapsed / cfg.window)
+    redis.call('HSET', K_REL, 'bytes', tostring(tonumber(rel[1] or '0') * decay),
+      'seconds', tostring(tonumber(rel[2] or '0') * decay + elapsed))
+  end
+  if now > last or not rel[3] then redis.call('HSET', K_REL, 'last', int(now)) end
+end
+
+local function finish()
+  local busy = '0'
+  for _, n in ipairs(redis.call('HVALS', K_RES)) do
+    if tonumber(n) > 0 then busy = '1' break end
+  end
+  redis.call('HSET', K_REL, 'busy', busy)
+end
+
 local function free(dev)
   local cap = cfg.caps[dev]
   if not cap then return -1 end
   return cap - tonumber(redis.call('HGET', K_RES, dev) or '0')
 end
 
+-- The allowed device with the most free bytes (the first such, in the ledger's order), if it fits.
 local function place(n, devs)
   local best, most = nil, -1
   for _, dev in ipairs(devs) do
@@ -79,7 +109,7 @@ local function grant(id, n, dev)
 end
 
 local function returned(n)
-  if n > 0 then redis.call('HINCRBY', K_REL, int(math.floor(now / 1000)), int(n)) end
+  if n > 0 then redis.call('HINCRBYFLOAT', K_REL, 'bytes', n) end
 end
 
 local function lease_of(id)
@@ -99,12 +129,23 @@ local function drop_lease(id)
   return true
 end
 
+local function lane_key(lane) return K_QUEUE .. ':' .. lane end
+
 local function drop_ticket(id)
-  if redis.call('HDEL', K_TICKET, id) == 0 then return false end
+  local raw = redis.call('HGET', K_TICKET, id)
+  if not raw then return false end
+  local w = cjson.decode(raw)
+  redis.call('HDEL', K_TICKET, id)
   redis.call('ZREM', K_QUEUE, id)
+  redis.call('ZREM', lane_key(w.l), id)
+  redis.call('HINCRBY', K_COUNT, 'waiting_bytes', int(-tonumber(w.n)))
+  if redis.call('HINCRBY', K_COUNT, 'bytes:' .. w.l, int(-tonumber(w.n))) <= 0 then
+    redis.call('HDEL', K_COUNT, 'bytes:' .. w.l)
+  end
   return true
 end
 
+-- Expired leases and tickets (a crashed worker's); how many went.
 local function reap()
   local expired = redis.call('ZRANGEBYSCORE', K_EXP, '-inf', now, 'LIMIT', 0, 256)
   for _, id in ipairs(expired) do
@@ -112,33 +153,75 @@ local function reap()
     drop_lease(id)
     drop_ticket(id)
   end
+  return #expired
+end
+
+-- Each lane's first ticket, by priority then arrival.
+local function heads()
+  local hs = {}
+  for _, lane in ipairs(redis.call('SMEMBERS', K_LANES)) do
+    while true do
+      local first = redis.call('ZRANGE', lane_key(lane), 0, 0)[1]
+      if not first then
+        redis.call('SREM', K_LANES, lane)
+        break
+      end
+      local raw = redis.call('HGET', K_TICKET, first)
+      if raw then
+        local w = cjson.decode(raw)
+        w.id, w.bytes = first, tonumber(w.n)
+        hs[#hs + 1] = w
+        break
+      end
+      redis.call('ZREM', lane_key(lane), first)  -- a ticket that went without its lane entry
+    end
+  end
+  table.sort(hs, function(a, b)
+    if a.p ~= b.p then return a.p > b.p end
+    return a.s < b.s
+  end)
+  return hs
+end
+
+local function has(list, x)
+  for _, y in ipairs(list) do if y == x then return true end end
+  return false
+end
+
+-- The device a head is admitted on now: among its devices no earlier head passed max_bypass
+-- times has claimed, the one with the most free bytes, if it fits.
+local function placement(w, hs)
+  local usable = {}
+  for _, dev in ipairs(w.d) do
+    local claimed = false
+    for _, h in ipairs(hs) do
+      if h.s < w.s and h.b >= cfg.bypass and has(h.d, dev) then claimed = true break end
+    end
+    if not claimed then usable[#usable + 1] = dev end
+  end
+  return place(w.bytes, usable)
 end
 
 local function dispatch()
   if warming then return end  -- leases lost with the data are being put back
   local granted, count = {}, 0
-  local blocked, blocked_id = nil, nil
-  for _, id in ipairs(redis.call('ZRANGE', K_QUEUE, 0, -1)) do
-    local raw = redis.call('HGET', K_TICKET, id)
-    if not raw then
-      redis.call('ZREM', K_QUEUE, id)
-    else
-      local w = cjson.decode(raw)
-      local n = tonumber(w.n)
-      local dev = place(n, w.d)
-      if not dev then
-        if not blocked then blocked, blocked_id = w, id end
-      else
-        if blocked then
-          if blocked.b >= cfg.bypass then break end
-          blocked.b = blocked.b + 1
-          redis.call('HSET', K_TICKET, blocked_id, cjson.encode(blocked))
-        end
-        drop_ticket(id)
-        grant(id, n, dev)
-        granted[id], count = dev, count + 1
+  while true do
+    local hs = heads()
+    local chosen, dev = nil, nil
+    for _, w in ipairs(hs) do
+      dev = placement(w, hs)
+      if dev then chosen = w break end
+    end
+    if not chosen then break end
+    for _, h in ipairs(hs) do  -- the admitted one passes earlier heads that could use its device
+      if h.s < chosen.s and has(h.d, dev) then
+        h.b = h.b + 1
+        redis.call('HSET', K_TICKET, h.id, cjson.encode({n = h.n, d = h.d, p = h.p, s = h.s, l = h.l, b = h.b}))
       end
     end
+    drop_ticket(chosen.id)
+    grant(chosen.id, chosen.bytes, dev)
+    granted[chosen.id], count = dev, count + 1
   end
   if count > 0 then redis.call('PUBLISH', cfg.chan, cjson.encode(granted)) end
 end
@@ -147,112 +230,132 @@ local function granted_device(id)
   local n, dev = lease_of(id)
   return dev
 end
+
+local function size_class(n)
+  local c = 0
+  while n >= 1 do n, c = math.floor(n / 2), c + 1 end
+  return c
+end
 """
 
-# ARG: id, bytes, devices (JSON), priority
+#: After the body: record the busy state for the drain rate.
+EPILOGUE = """
+local result = main()
+finish()
+return result
+"""
+
+# ARG: id, bytes, devices (JSON, in the ledger's order), device indexes (e.g. "0,1"), priority.
+# Asking again with the same id answers the state of the first ask (a call that timed out).
 RESERVE = """
-reap()
-dispatch()
-local id, n = ARG[1], tonumber(ARG[2])
-local devs = cjson.decode(ARG[3])
-local waiting = redis.call('ZCARD', K_QUEUE)
-if waiting == 0 and not warming then
-  local dev = place(n, devs)
-  if dev then
-    grant(id, n, dev)
-    return {'granted', dev}
+local function main()
+  if reap() > 0 then dispatch() end
+  local id, n = ARG[1], tonumber(ARG[2])
+  local dev = granted_device(id)
+  if dev then return {'granted', dev} end
+  local waiting = redis.call('ZCARD', K_QUEUE)
+  if redis.call('HEXISTS', K_TICKET, id) == 1 then return {'queued', waiting} end
+  local devs = cjson.decode(ARG[3])
+  if waiting == 0 and not warming then
+    dev = place(n, devs)
+    if dev then
+      grant(id, n, dev)
+      return {'granted', dev}
+    end
   end
+  if waiting >= cfg.queue then
+    redis.call('HINCRBY', K_COUNT, 'rejected:queue-full', 1)
+    return {'full', waiting}
+  end
+  local seq = redis.call('HINCRBY', K_COUNT, 'seq', 1)
+  local p = tonumber(ARG[5])
+  local lane = ARG[5] .. ':' .. size_class(n) .. ':' .. ARG[4]
+  redis.call('HSET', K_TICKET, id, cjson.encode({n = ARG[2], d = devs, p = p, s = seq, l = lane, b = 0}))
+  redis.call('ZADD', K_QUEUE, seq, id)
+  redis.call('ZADD', lane_key(lane), seq, id)
+  redis.call('SADD', K_LANES, lane)
+  redis.call('HINCRBY', K_COUNT, 'waiting_bytes', ARG[2])
+  redis.call('HINCRBY', K_COUNT, 'bytes:' .. lane, ARG[2])
+  redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
+  dispatch()
+  dev = granted_device(id)
+  if dev then return {'granted', dev} end
+  return {'queued', waiting + 1}
 end
-if waiting >= cfg.queue then
-  redis.call('HINCRBY', K_COUNT, 'rejected:queue-full', 1)
-  return {'full', waiting}
-end
-local seq = redis.call('HINCRBY', K_COUNT, 'seq', 1)
-redis.call('HSET', K_TICKET, id, cjson.encode({n = ARG[2], d = devs, b = 0}))
-redis.call('ZADD', K_QUEUE, int(-tonumber(ARG[4]) * 1099511627776 + seq), id)
-redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
-dispatch()
-local dev = granted_device(id)
-if dev then return {'granted', dev} end
-return {'queued', waiting + 1}
 """
 
-# ARG: id
+# ARG: id. Cheap: nothing is dispatched unless an expired id went (grants happen when bytes move).
 CLAIM = """
-reap()
-dispatch()
-local dev = granted_device(ARG[1])
-if dev then return {'granted', dev} end
-if redis.call('HEXISTS', K_TICKET, ARG[1]) == 1 then return {'waiting', 0} end
-return {'gone', 0}
+local function main()
+  if reap() > 0 then dispatch() end
+  local dev = granted_device(ARG[1])
+  if dev then return {'granted', dev} end
+  if redis.call('HEXISTS', K_TICKET, ARG[1]) == 1 then return {'waiting', 0} end
+  return {'gone', 0}
+end
 """
 
 # ARG: id, rejection reason or ''
 LEAVE = """
-local had = drop_lease(ARG[1])
-drop_ticket(ARG[1])
-redis.call('ZREM', K_EXP, ARG[1])
-if ARG[2] ~= '' then redis.call('HINCRBY', K_COUNT, 'rejected:' .. ARG[2], 1) end
-reap()
-dispatch()
-return had and 1 or 0
+local function main()
+  local had = drop_lease(ARG[1])
+  drop_ticket(ARG[1])
+  redis.call('ZREM', K_EXP, ARG[1])
+  if ARG[2] ~= '' then redis.call('HINCRBY', K_COUNT, 'rejected:' .. ARG[2], 1) end
+  reap()
+  dispatch()
+  return had and 1 or 0
+end
 """
 
 # ARG: id, bytes to keep, '1' when finished. Keeping is absolute and only ever lowers a
 # lease, so shrinks that land late or out of order cannot give bytes back twice.
 RELEASE = """
-local id = ARG[1]
-if ARG[3] == '1' then
-  drop_lease(id)
-  redis.call('ZREM', K_EXP, id)
-else
-  local n, dev = lease_of(id)
-  local keep = tonumber(ARG[2])
-  if n and keep < n then
-    redis.call('HINCRBY', K_RES, dev, int(keep - n))
-    redis.call('HSET', K_LEASE, id, int(keep) .. ' ' .. dev)
-    returned(n - keep)
+local function main()
+  local id = ARG[1]
+  if ARG[3] == '1' then
+    drop_lease(id)
+    redis.call('ZREM', K_EXP, id)
+  else
+    local n, dev = lease_of(id)
+    local keep = tonumber(ARG[2])
+    if n and keep < n then
+      redis.call('HINCRBY', K_RES, dev, int(keep - n))
+      redis.call('HSET', K_LEASE, id, int(keep) .. ' ' .. dev)
+      returned(n - keep)
+    end
   end
+  reap()
+  dispatch()
+  return 1
 end
-reap()
-dispatch()
-return 1
 """
 
 # ARG: id, bytes, device. Puts back a lease Redis lost (restart, or reaped while its
 # worker could not reach Redis) even past capacity: the bytes are in use on the GPU either way.
 RESTORE = """
-if not lease_of(ARG[1]) then hold(ARG[1], tonumber(ARG[2]), ARG[3]) end
-redis.call('ZADD', K_EXP, int(now + cfg.ttl), ARG[1])
-return 1
+local function main()
+  if not lease_of(ARG[1]) then hold(ARG[1], tonumber(ARG[2]), ARG[3]) end
+  redis.call('ZADD', K_EXP, int(now + cfg.ttl), ARG[1])
+  return 1
+end
 """
 
 # ARG: ids to renew. Returns the ids Redis no longer knows, the shared snapshot and the boot id.
 HEARTBEAT = """
-reap()
-local missing = {}
-for _, id in ipairs(ARG) do
-  if redis.call('ZSCORE', K_EXP, id) then
-    redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
-  else
-    missing[#missing + 1] = id
+local function main()
+  reap()
+  local missing = {}
+  for _, id in ipairs(ARG) do
+    if redis.call('ZSCORE', K_EXP, id) then
+      redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
+    else
+      missing[#missing + 1] = id
+    end
   end
+  dispatch()
+  local rel = redis.call('HMGET', K_REL, 'bytes', 'seconds')
+  return {missing, redis.call('HGETALL', K_RES), redis.call('HGETALL', K_INFL), redis.call('ZCARD', K_QUEUE),
+          redis.call('HGETALL', K_COUNT), rel[1] or '0', rel[2] or '0', boot}
 end
-dispatch()
-local second = math.floor(now / 1000)
-local released, oldest = 0, second
-local buckets = redis.call('HGETALL', K_REL)
-for i = 1, #buckets, 2 do
-  local s = tonumber(buckets[i])
-  if s < second - cfg.window then
-    redis.call('HDEL', K_REL, buckets[i])
-  else
-    released = released + tonumber(buckets[i + 1])
-    if s < oldest then oldest = s end
-  end
-end
-local waiting_bytes = 0
-for _, raw in ipairs(redis.call('HVALS', K_TICKET)) do waiting_bytes = waiting_bytes + tonumber(cjson.decode(raw).n) end
-return {missing, redis.call('HGETALL', K_RES), redis.call('HGETALL', K_INFL), redis.call('ZCARD', K_QUEUE),
-        int(waiting_bytes), redis.call('HGETALL', K_COUNT), int(released), now - oldest * 1000, boot}
 """

@@ -10,13 +10,13 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redis_lua as lua
-from ._ledger import MAX_RETRY_AFTER, DeviceStatistics, LedgerStatistics
+from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, retry_after
+from ._ledger import DeviceStatistics, LedgerStatistics, bytes_ahead
 
-#: Queue scores are ``-priority × 2^40 + sequence``: |priority| stays below 2^12 to keep them exact.
-PRIORITY_LIMIT = 1 << 12
-_KEYS = ("expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot")
+_KEYS = ("expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot", "lanes")
 
 
 #: Pause before asking an exhausted non-blocking connection pool again.
@@ -24,7 +24,12 @@ POOL_RETRY_SECONDS = 0.002
 
 
 class RedisDown(Exception):
-    """Redis could not be reached, or did not answer within the timeout."""
+    """Redis could not be reached."""
+
+
+class RedisSlow(RedisDown):
+    """No answer within the timeout (a busy Redis, or a wait for a pooled connection): not an
+    outage by itself; the caller asks the probe whether Redis is up."""
 
 
 def text(value: Any) -> str:
@@ -43,15 +48,18 @@ class Beat:
     reserved: dict[str, int] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     waiting: int = 0
-    waiting_bytes: int = 0
     counts: dict[str, int] = field(default_factory=dict)
-    released_bytes: int = 0
-    released_span: float = 0.0
+    released_bytes: float = 0.0
+    busy_seconds: float = 0.0
+
+    @property
+    def waiting_bytes(self) -> int:
+        return self.counts.get("waiting_bytes", 0)
 
     @property
     def release_rate(self) -> float:
-        """Bytes per second given back over the rate window, as the in-process ledger computes it."""
-        return self.released_bytes / max(self.released_span, 1.0)
+        """Bytes given back per busy second, as the in-process ledger computes it (``_drain``)."""
+        return self.released_bytes / max(self.busy_seconds, MIN_BUSY_SPAN) if self.released_bytes > 0 else 0.0
 
     def statistics(self, capacities: Mapping[str, int], local_rejections: Mapping[str, int]) -> LedgerStatistics:
         devices = tuple(
@@ -64,12 +72,16 @@ class Beat:
         admitted = self.counts.get("admitted", 0)
         return LedgerStatistics(devices, self.waiting, self.waiting_bytes, admitted, rejected, self.release_rate)
 
-    def retry_after(self, capacities: Mapping[str, int], nbytes: int, max_wait: float) -> float:
-        if self.released_bytes <= 0:
-            return max_wait
+    def retry_after(self, capacities: Mapping[str, int], nbytes: int, max_wait: float, priority: int = 0) -> float:
+        """As :meth:`Ledger.retry_after <gpu_asgi.Ledger.retry_after>`, from this snapshot."""
+        lanes = []
+        for key, n in self.counts.items():
+            if key.startswith("bytes:"):
+                p, c, devices = key.removeprefix("bytes:").split(":", 2)
+                lanes.append(((int(p), int(c), devices), n))
         free = sum(capacity - self.reserved.get(name, 0) for name, capacity in capacities.items())
-        backlog = max(0, self.waiting_bytes + nbytes - free)
-        return min(MAX_RETRY_AFTER, max(1.0, backlog / self.release_rate))
+        ahead = bytes_ahead(lanes, nbytes, priority)
+        return retry_after(max(0, ahead + nbytes - free), self.release_rate, max_wait)
 
 
 class LedgerScripts:
@@ -85,7 +97,6 @@ class LedgerScripts:
         heartbeat: float,
         max_bypass: int,
         max_queue: int,
-        rate_window: float,
         timeout: float,
     ) -> None:
         if "{" in namespace or "}" in namespace:
@@ -98,12 +109,14 @@ class LedgerScripts:
         #: The dataset this process last saw (see _redis_lua: data loss); '' until the first heartbeat.
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
-        config |= {"chan": self.channel, "window": round(rate_window), "warm": round(1.5 * heartbeat * 1000)}
+        config |= {"chan": self.channel, "window": RATE_WINDOW, "warm": round(1.5 * heartbeat * 1000)}
         self._config = json.dumps(config)
-        self._all_devices = json.dumps(list(capacities))
+        self._index = {name: i for i, name in enumerate(capacities)}
         bodies = {"reserve": lua.RESERVE, "claim": lua.CLAIM, "leave": lua.LEAVE, "release": lua.RELEASE}
         bodies |= {"restore": lua.RESTORE, "heartbeat": lua.HEARTBEAT}
-        self._scripts = {name: client.register_script(lua.PRELUDE + body) for name, body in bodies.items()}
+        self._scripts = {
+            name: client.register_script(lua.PRELUDE + body + lua.EPILOGUE) for name, body in bodies.items()
+        }
 
     async def _run(self, name: str, *args: str | int) -> Any:
         script = self._scripts[name]
@@ -116,13 +129,18 @@ class LedgerScripts:
                         # A caller's client with redis-py's default (non-blocking) pool, all of its
                         # connections busy: that is a burst, not an outage. Wait for one.
                         await asyncio.sleep(POOL_RETRY_SECONDS)
-        except (RedisError, OSError) as exc:  # OSError covers TimeoutError, ours and the socket's
+        except (TimeoutError, RedisTimeoutError) as exc:  # ours, the socket's or redis-py's
+            raise RedisSlow(f"no answer within {self.timeout:g} s") from exc
+        except (RedisError, OSError) as exc:
             raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
-    async def reserve(self, id: str, nbytes: int, devices: Sequence[str] | None, priority: int) -> tuple[str, str]:
-        """``("granted", device)``, ``("queued", position)`` or ``("full", waiting)``."""
-        names = self._all_devices if devices is None else json.dumps(list(devices))
-        state, detail = await self._run("reserve", id, nbytes, names, priority)
+    async def reserve(self, id: str, nbytes: int, devices: Sequence[str], priority: int) -> tuple[str, str]:
+        """``("granted", device)``, ``("queued", position)`` or ``("full", waiting)``.
+
+        ``devices`` in the ledger's order. Asking again with the same id answers the first ask's state.
+        """
+        indexes = ",".join(str(self._index[name]) for name in devices)
+        state, detail = await self._run("reserve", id, nbytes, json.dumps(list(devices)), indexes, priority)
         return text(state), text(detail)
 
     async def claim(self, id: str) -> tuple[str, str]:
@@ -142,17 +160,16 @@ class LedgerScripts:
 
     async def heartbeat(self, ids: Sequence[str]) -> Beat:
         reply = await self._run("heartbeat", *ids)
-        missing, reserved, in_flight, waiting, waiting_bytes, counts, released, span, boot = reply
+        missing, reserved, in_flight, waiting, counts, released, busy, boot = reply
         self.boot = text(boot)
         return Beat(
             missing=tuple(text(id) for id in missing),
             reserved=_pairs(reserved),
             in_flight=_pairs(in_flight),
             waiting=int(waiting),
-            waiting_bytes=int(waiting_bytes),
             counts=_pairs(counts),
-            released_bytes=int(released),
-            released_span=int(span) / 1000,
+            released_bytes=float(released),
+            busy_seconds=float(busy),
         )
 
     async def count_rejection(self, reason: str) -> None:

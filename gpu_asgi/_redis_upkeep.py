@@ -5,8 +5,10 @@
 - Leases Redis lost while they are still held here (a restart without persistence, an outage
   longer than the TTL) are put back, so the shared budget counts bytes really in use.
 - Wake-ups: one pub/sub subscription per process hands each grant to its waiter.
-- Availability: a failed call marks Redis down until a call succeeds; meanwhile admission does
-  not wait on it (``skipping``) and the heartbeat keeps probing.
+- Availability: a call that cannot reach Redis marks it down until a call succeeds; meanwhile
+  admission does not wait on it (``skipping``) and the heartbeat keeps probing. A call that is
+  only slow (a busy Redis, a wait for a pooled connection) marks it down only if a ``PING`` on a
+  connection of its own also goes unanswered within the timeout (``probe``).
 - Releases and queue exits are tracked tasks, retried briefly; the lease TTL backs them up.
 """
 
@@ -20,6 +22,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -28,7 +31,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ._ledger import Reservation
-from ._redis_scripts import Beat, LedgerScripts, RedisDown, text
+from ._redis_scripts import Beat, LedgerScripts, RedisDown, RedisSlow, text
 
 #: Tries for a release or a queue exit that cannot reach Redis; the lease TTL is the backstop.
 RETRIES = 3
@@ -37,9 +40,15 @@ logger = logging.getLogger("gpu_asgi.redis_ledger")
 
 
 class Upkeep:
-    def __init__(self, scripts: LedgerScripts, client: Redis, *, name: str, heartbeat: float, notify: bool) -> None:
+    def __init__(
+        self, scripts: LedgerScripts, client: Redis, probe_client: Redis, *, name: str, heartbeat: float, notify: bool
+    ) -> None:
         self.scripts = scripts
         self.client = client
+        self.probe_client = probe_client
+        self._probing: asyncio.Future[bool] | None = None
+        #: True while the wake-up subscription is up: waiters then poll only as a slow fallback.
+        self.listening = False
         self.name = name
         self.heartbeat = heartbeat
         self.notify = notify
@@ -54,6 +63,9 @@ class Upkeep:
         self._restoring: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
+        #: The event loop this ledger serves, and its thread (releases from others are handed to it).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = 0
         self._owner = ""
         self._ids = itertools.count(1)
 
@@ -62,8 +74,16 @@ class Upkeep:
             raise RuntimeError("this RedisLedger is closed")
         if not self._owner:  # chosen on first use, in the process that uses it (after any fork)
             self._owner = f"{socket.gethostname().replace(' ', '_')}:{os.getpid()}:{secrets.token_hex(3)}"
+        loop = asyncio.get_running_loop()
+        if self._loops and self._loops[0].get_loop() is not loop:
+            previous = self._loops[0].get_loop()
+            if previous.is_running() and not previous.is_closed():
+                raise RuntimeError(
+                    "this RedisLedger already serves another running event loop: create one per event loop"
+                )
+            self._loops = []  # that loop has stopped: its tasks will never run again
         if not self._loops or self._loops[0].done():
-            loop = asyncio.get_running_loop()
+            self.loop, self.thread = loop, threading.get_ident()
             self._loops = [loop.create_task(self._heartbeat_forever(), name="gpu_asgi-redis-heartbeat")]
             if self.notify:
                 self._loops.append(loop.create_task(self._listen_forever(), name="gpu_asgi-redis-wake"))
@@ -83,6 +103,22 @@ class Upkeep:
             logger.warning("Redis ledger %r unavailable: %s", self.name, exc)
         self.down = str(exc)
         self._retry_at = time.monotonic() + self.heartbeat
+        for wake in self.waiters.values():  # queued requests learn it now, not at their next poll
+            wake.set()
+
+    async def probe(self) -> bool:
+        """Does Redis answer a ``PING`` within the timeout? One probe at a time, shared by all who ask."""
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.ensure_future(self._ping())
+        return await asyncio.shield(self._probing)
+
+    async def _ping(self) -> bool:
+        try:
+            async with asyncio.timeout(self.scripts.timeout):
+                await self.probe_client.ping()
+            return True
+        except (RedisError, OSError):
+            return False
 
     def came_up(self) -> None:
         if self.down is not None:
@@ -94,6 +130,10 @@ class Upkeep:
     async def refresh(self) -> None:
         try:
             beat = await self.scripts.heartbeat([*self.held, *self.waiters])
+        except RedisSlow as exc:
+            if not await self.probe():
+                self.went_down(exc)
+            return  # up but busy: the next beat renews
         except RedisDown as exc:
             self.went_down(exc)
             return
@@ -126,6 +166,7 @@ class Upkeep:
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(self.scripts.channel)
+                self.listening = True
                 while not self.closed:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     for rid, device in json.loads(text(message["data"])).items() if message else ():
@@ -135,6 +176,7 @@ class Upkeep:
             except (RedisError, OSError, ValueError) as exc:  # Redis away: waiters poll meanwhile
                 logger.debug("wake-up channel lost: %r", exc)
             finally:
+                self.listening = False
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(self.heartbeat)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ._estimate import Estimator
+from ._ledger import check_priority
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
 DEFAULT_PROMPT_FIELDS = ("prompt", "messages")
@@ -68,6 +69,7 @@ class RouteSpec:
         object.__setattr__(self, "methods", frozenset(method.upper() for method in self.methods))
         if not self.methods or self.methods & BODYLESS_METHODS:
             raise ValueError(f"methods must be methods with a request body (admission reads it), not {sorted(self.methods)}")
+        check_priority(self.priority)  # refused when the route is declared, not on its first request
 
 
 def gpu_bound(

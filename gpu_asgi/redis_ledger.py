@@ -4,14 +4,16 @@
 only its own requests, so together they over-commit the GPU. :class:`RedisLedger` keeps the same
 interface and semantics with one budget per device across all of them:
 
-- reserve and release are atomic Lua scripts on the server (``_redis_lua``);
-- one global queue, FIFO by priority, with the in-process ledger's bounded bypass, so no worker's
-  waiters starve another's; waiters are woken by pub/sub, with a poll as the fallback;
+- reserve and release are atomic Lua scripts on the server (``_redis_lua``) that apply the
+  in-process ledger's decision rule to one global queue, so no worker's waiters starve another's;
+  a script looks only at lane heads, so its cost does not grow with the number of waiters;
+- waiters are woken by pub/sub, with a slow poll as the fallback;
 - each reservation is a lease renewed by a heartbeat (``_redis_upkeep``): a crashed worker's
   bytes come back within ``lease_ttl``; leases Redis lost while still held are put back;
-- Redis unreachable or slower than ``redis_timeout``: :class:`~gpu_asgi.LedgerUnavailable` (503)
-  by default, or an in-process ledger with ``local_share`` of each budget; Redis back: used again
-  without a restart.
+- Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
+  connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger
+  with ``local_share`` of each budget; Redis back: used again without a restart. A call that is
+  only slow leaves the request waiting.
 
 ``pip install 'gpu_asgi[redis]'``; see docs/deployment.md.
 """
@@ -20,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Literal, Self
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -33,19 +36,23 @@ from ._ledger import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_WAIT,
-    RATE_WINDOW,
+    MAX_TIMEOUT,
     Ledger,
     LedgerStatistics,
     Reservation,
+    check_priority,
 )
-from ._redis_scripts import PRIORITY_LIMIT, Beat, LedgerScripts, RedisDown
+from ._redis_scripts import Beat, LedgerScripts, RedisDown, RedisSlow
 from ._redis_upkeep import RETRIES, Upkeep, cancels
 
 __all__ = ["RedisLedger"]
 
 DEFAULT_NAMESPACE = "gpu_asgi"
 DEFAULT_LEASE_TTL = 10.0
-DEFAULT_POLL_INTERVAL = 0.5
+#: Waiters are woken by pub/sub; this poll is the fallback (and the pace while the channel is down).
+DEFAULT_POLL_INTERVAL = 2.0
+#: The poll while this process's wake-up subscription is not up yet (or lost).
+UNSUBSCRIBED_POLL_INTERVAL = 0.05
 DEFAULT_REDIS_TIMEOUT = 1.0
 DEFAULT_MAX_CONNECTIONS = 32
 
@@ -109,10 +116,12 @@ class RedisLedger:
         self.local_share = local_share
         self._owns_client = isinstance(redis, str)
         if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
+            # A call waits for a free connection as long as its own timeout allows (timeout=None
+            # here): a burst queues for connections, and a wait is "slow", never "down".
             pool = BlockingConnectionPool.from_url(
                 redis,
                 max_connections=max_connections,
-                timeout=redis_timeout,
+                timeout=None,
                 retry=Retry(NoBackoff(), 1),
                 socket_timeout=redis_timeout,
                 socket_connect_timeout=redis_timeout,
@@ -127,10 +136,15 @@ class RedisLedger:
             heartbeat=heartbeat,
             max_bypass=max_bypass,
             max_queue=max_queue,
-            rate_window=RATE_WINDOW,
             timeout=redis_timeout,
         )
-        self._upkeep = Upkeep(self._scripts, redis, name=namespace, heartbeat=heartbeat, notify=notify)
+        # The probe's own connection: a busy pool never makes Redis look down.
+        base = redis.connection_pool
+        probe_pool = ConnectionPool(connection_class=base.connection_class, max_connections=1, **base.connection_kwargs)
+        self._probe_client = Redis.from_pool(probe_pool)
+        self._upkeep = Upkeep(
+            self._scripts, redis, self._probe_client, name=namespace, heartbeat=heartbeat, notify=notify
+        )
         self._local: Ledger | None = None
         if on_unavailable == "local" and local_share is not None:
             share = {name: max(1, int(nbytes * local_share)) for name, nbytes in capacities.items()}
@@ -179,14 +193,13 @@ class RedisLedger:
         when Redis fails and ``on_unavailable`` is ``"fail-closed"``. Never waits past ``timeout``
         (default ``max_wait``), whatever Redis does.
         """
+        check_priority(priority)
         names = self._allowed(devices, nbytes)
-        if not -PRIORITY_LIMIT < priority < PRIORITY_LIMIT:
-            raise ValueError(f"priority must be within ±{PRIORITY_LIMIT - 1}")
         upkeep = self._upkeep
         upkeep.start()
         loop = asyncio.get_running_loop()
         wait = self.max_wait if timeout is None else timeout
-        start, deadline, cancelled = loop.time(), loop.time() + wait, cancels()
+        start, deadline, cancelled = loop.time(), loop.time() + min(wait, MAX_TIMEOUT), cancels()
         if upkeep.skipping():
             return await self._fallback(nbytes, names, priority, deadline)
         rid = upkeep.new_id()
@@ -194,30 +207,33 @@ class RedisLedger:
         settled, reason = False, ""
         try:
             async with asyncio.timeout_at(deadline):
-                state, detail = await self._scripts.reserve(rid, nbytes, devices and names, priority)
-                upkeep.came_up()
+                state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority))
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
                         raise asyncio.CancelledError
                     if state == "full":
                         settled = True  # no ticket was taken
                         message = f"{detail} requests are already waiting for GPU memory."
-                        raise QueueFull(message, retry_after=self.retry_after(nbytes))
-                    if state == "gone":  # Redis lost the queue (a restart): join it again
-                        state, detail = await self._scripts.reserve(rid, nbytes, devices and names, priority)
+                        raise QueueFull(message, retry_after=self.retry_after(nbytes, priority=priority))
+                    if state == "gone":  # never queued (a slow first call), or Redis lost the queue: join
+                        state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority))
                         continue
+                    poll = self.poll_interval if upkeep.listening else UNSUBSCRIBED_POLL_INTERVAL
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.poll_interval):
+                        async with asyncio.timeout(poll):
                             await wake.wait()
                     wake.clear()
+                    if upkeep.skipping():  # another call found Redis down meanwhile
+                        raise RedisDown(upkeep.down)
                     granted = upkeep.grants.pop(rid, None)  # the wake-up names the device: no round trip
-                    state, detail = ("granted", granted) if granted else await self._scripts.claim(rid)
+                    state, detail = ("granted", granted) if granted else await self._ask(self._scripts.claim(rid))
             settled = True
             return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start))
         except TimeoutError:
             reason = QueueTimeout.reason
             raise QueueTimeout(
-                f"No GPU memory became free for {nbytes} bytes within {wait:g} s.", retry_after=self.retry_after(nbytes)
+                f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
+                retry_after=self.retry_after(nbytes, priority=priority),
             ) from None
         except RedisDown as exc:
             upkeep.went_down(exc)
@@ -227,6 +243,18 @@ class RedisLedger:
             if not settled:  # leave the queue, and give back a lease granted as we gave up
                 upkeep.leave(rid, reason)
         return await self._fallback(nbytes, names, priority, deadline)
+
+    async def _ask(self, call: Awaitable[tuple[str, str]]) -> tuple[str, str]:
+        """A script's answer; ``("waiting", "")`` when it was only slow and Redis answers the probe
+        (the next claim, by the same id, finds out what happened)."""
+        try:
+            answer = await call
+        except RedisSlow:
+            if not await self._upkeep.probe():
+                raise
+            return "waiting", ""
+        self._upkeep.came_up()
+        return answer
 
     async def _fallback(self, nbytes: int, names: tuple[str, ...], priority: int, deadline: float) -> Reservation:
         local = self._local
@@ -253,10 +281,13 @@ class RedisLedger:
     def _allowed(self, devices: Sequence[str] | None, nbytes: int) -> tuple[str, ...]:
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
-        names = self.devices if devices is None else tuple(devices)
-        unknown = [name for name in names if name not in self._capacities]
-        if unknown or not names:
-            raise ValueError(f"unknown device {unknown[0] if unknown else None!r}; the ledger has {self.devices}")
+        chosen = self.devices if devices is None else set(devices)
+        unknown = [name for name in chosen if name not in self._capacities]
+        if unknown:
+            raise ValueError(f"unknown device {unknown[0]!r}; the ledger has {self.devices}")
+        if not chosen:
+            raise ValueError(f"no device given; the ledger has {self.devices}")
+        names = tuple(name for name in self._capacities if name in chosen)  # the ledger's order, always
         largest = max(self._capacities[name] for name in names)
         if nbytes > largest:
             self._upkeep.spawn(self._upkeep.retrying(self._scripts.count_rejection, NeverFits.reason, tries=1))
@@ -272,16 +303,24 @@ class RedisLedger:
         return reservation
 
     def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        loop = self._upkeep.loop
+        if loop is not None and threading.get_ident() != self._upkeep.thread and not loop.is_closed():
+            # From a worker thread: the calls to Redis are the loop's, so hand them over at once.
+            loop.call_soon_threadsafe(self._returned, reservation, reservation.nbytes, finished)
+        else:
+            self._returned(reservation, reservation.nbytes, finished)
+
+    def _returned(self, reservation: Reservation, keep: int, finished: bool) -> None:
         rid, upkeep = reservation.id, self._upkeep
         inner = self._inner.pop(rid, None) if finished else self._inner.get(rid)
         if inner is not None:
-            inner.release() if finished else inner.shrink(reservation.nbytes)
+            inner.release() if finished else inner.shrink(keep)
         if finished:
             upkeep.held.pop(rid, None)
         if inner is None or rid in upkeep.restored:  # it is (also) in Redis
             if finished:
                 upkeep.restored.discard(rid)
-            upkeep.release(rid, reservation.nbytes, finished)
+            upkeep.release(rid, keep, finished)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -298,6 +337,7 @@ class RedisLedger:
     async def aclose(self) -> None:
         """Stop the heartbeat, let pending releases land (bounded), close a client made from a URL."""
         await self._upkeep.aclose(drain_timeout=self.redis_timeout * RETRIES + 1)
+        await self._probe_client.aclose()
         if self._owns_client:
             await self._client.aclose()
 
@@ -310,9 +350,9 @@ class RedisLedger:
 
     # -- rates and statistics -------------------------------------------------------------
 
-    def retry_after(self, nbytes: int = 0) -> float:
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float:
         """As the in-process ledger's, from the shared release rate of the last snapshot."""
-        return self._upkeep.beat.retry_after(self._capacities, nbytes, self.max_wait)
+        return self._upkeep.beat.retry_after(self._capacities, nbytes, self.max_wait, priority)
 
     def statistics(self) -> LedgerStatistics:
         """Every worker's reservations and queue, as of the last heartbeat (at most ``heartbeat`` s old).

@@ -181,24 +181,63 @@ async def test_retry_after_follows_the_observed_release_rate() -> None:
     clock = FakeClock()
     ledger = Ledger(1000, clock=clock, max_wait=30)
     assert ledger.retry_after(500) == 30  # nothing observed yet: fall back to max_wait
-    for _ in range(10):  # 100 bytes per second drain for 10 s
-        (await ledger.reserve(100)).release()
+    for _ in range(10):  # 100 bytes per busy second for 10 s
+        reservation = await ledger.reserve(100)
         clock.now += 1
+        reservation.release()
     holder = await ledger.reserve(1000)
     assert ledger.release_rate() == pytest.approx(100.0, rel=0.15)
     assert ledger.retry_after(500) == pytest.approx(5.0, rel=0.15)  # 500 bytes behind a full device
-    clock.now += 100  # the window slides past every release
-    assert ledger.retry_after(500) == 30
     holder.release()
 
 
-async def test_release_history_stays_bounded_without_rate_queries() -> None:
+async def test_idle_time_does_not_drag_the_release_rate_down() -> None:
+    """After a 20 s (or an hour's) idle spell the rate is the one seen while the GPU was busy."""
     clock = FakeClock()
-    ledger = Ledger(10, clock=clock)
-    for _ in range(1000):
-        (await ledger.reserve(1)).release()
+    ledger = Ledger(1000, clock=clock, max_wait=30)
+    for _ in range(10):
+        reservation = await ledger.reserve(100)
         clock.now += 1
-    assert len(ledger._releases) <= 31  # one release per second, 30 s window
+        reservation.release()
+    for gap in (20, 3600):
+        clock.now += gap
+        assert ledger.release_rate() == pytest.approx(100.0, rel=0.15)
+        holder = await ledger.reserve(1000)
+        assert ledger.retry_after(500) == pytest.approx(5.0, rel=0.15)
+        clock.now += 10
+        holder.release()  # 1000 bytes over 10 busy seconds: the same rate
+
+
+async def test_retry_after_counts_the_bytes_ahead_of_the_request() -> None:
+    """Ahead of a new request: waiters at its priority or higher, in its size class or a smaller
+    one. A larger waiter that does not fit is passed, a lower priority one waits behind it."""
+    clock = FakeClock()
+    ledger = Ledger(1000, clock=clock, max_wait=30)
+    for _ in range(10):  # 100 bytes per busy second
+        reservation = await ledger.reserve(100)
+        clock.now += 1
+        reservation.release()
+    holder = await ledger.reserve(1000)
+    big = asyncio.ensure_future(ledger.reserve(900))  # class 10
+    low = asyncio.ensure_future(ledger.reserve(200, priority=-1))  # class 8, lower priority
+    await settle()
+    assert ledger.retry_after(300) == pytest.approx(3.0)  # class 9: nothing ahead of it
+    assert ledger.retry_after(250, priority=-1) == pytest.approx(4.5)  # the 200 at its priority
+    assert ledger.retry_after(600) == pytest.approx(15.0)  # the 900 (its class); not the lower-priority 200
+    holder.release()
+    for task in (big, low):
+        (await task).release()
+
+
+@pytest.mark.parametrize("max_wait", [float("inf"), 3600.0, 1e300, 0.0])
+async def test_retry_after_is_finite_and_clamped_for_any_max_wait(max_wait: float) -> None:
+    ledger = Ledger(100, max_wait=max_wait, max_queue=0)
+    holder = await ledger.reserve(100)
+    with pytest.raises(QueueFull) as full:
+        await ledger.reserve(50)
+    assert 1.0 <= full.value.retry_after <= 600.0  # type: ignore[operator]
+    assert 1.0 <= ledger.retry_after(10**18) <= 600.0
+    holder.release()
 
 
 async def test_reservation_is_a_context_manager() -> None:

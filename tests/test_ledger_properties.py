@@ -1,125 +1,301 @@
-"""Hypothesis stateful test of the ledger: never over-committed, nothing leaked, FIFO up to the bounded bypass."""
+"""Hypothesis state machines of the ledger rule (docs/admission.md, "The ledger").
+
+``LedgerMachine`` drives the in-process ledger with random arrivals (sizes, priorities,
+devices), releases, shrinks and cancellations and checks after every step: never over-committed,
+nothing leaked, no admissible lane head left waiting, no head passed more than ``max_bypass``
+times. ``TwoLedgersMachine`` feeds the same steps to the in-process ledger and to the Redis
+ledger's scripts on a real redis-server, checks the same invariants on Redis's state, and fails
+on the first step where the two ledgers' decisions (who is admitted, on which device, who is
+refused) differ.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpu_asgi import Ledger, NeverFits, Reservation
+from gpu_asgi import Ledger, NeverFits, QueueFull, Reservation
 
-CAPACITY = 100
-MAX_BYPASS = 3
+from . import _redis
+from ._redis import REDIS_SERVER, RedisServer
+
+redis_server = _redis.redis_server  # fixture
+
+CAPACITIES = {"cuda:0": 100, "cuda:1": 60}
+MAX_BYPASS = 1
+DEVICE_CHOICES: list[tuple[str, ...] | None] = [None, ("cuda:0",), ("cuda:1",), ("cuda:1", "cuda:0")]
+PRIORITIES = st.sampled_from([0, 0, 0, 3, -2])
+#: Small requests that pass, large ones that wait: bypasses and claims happen often.
+SIZES = st.one_of(st.integers(0, 25), st.integers(45, 100))
 
 
-class LedgerMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.loop = asyncio.new_event_loop()
-        self.ledger: Ledger
-        self.waiting: dict[int, tuple[int, asyncio.Task[Reservation]]] = {}  # arrival -> (nbytes, task)
-        self.held: list[Reservation] = []
-        self.arrivals = 0
-        self.head: int | None = None
-        self.head_passed = 0
+def fits_everywhere(devices: tuple[str, ...] | None) -> int:
+    return min(CAPACITIES[name] for name in devices or CAPACITIES)
 
-    @initialize(max_queue=st.integers(1, 12))
-    def setup(self, max_queue: int) -> None:
-        self.ledger = Ledger(CAPACITY, max_queue=max_queue, max_bypass=MAX_BYPASS, max_wait=3600)
 
-    def settle(self) -> None:
+class InProcess:
+    """The in-process ledger, its waiters as tasks on the machine's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_queue: int) -> None:
+        self.loop = loop
+        self.ledger = Ledger(CAPACITIES, max_queue=max_queue, max_bypass=MAX_BYPASS, max_wait=3600)
+        self.tasks: dict[int, asyncio.Task[Reservation]] = {}
+        self.held: dict[int, Reservation] = {}
+
+    def spin(self) -> None:
         async def spin() -> None:
             for _ in range(10):
                 await asyncio.sleep(0)
 
         self.loop.run_until_complete(spin())
-        granted = []
-        for arrival, (_, task) in list(self.waiting.items()):
+        for arrival, task in list(self.tasks.items()):
             if task.done():
-                del self.waiting[arrival]
+                del self.tasks[arrival]
                 if not task.cancelled() and task.exception() is None:
-                    granted.append((int(task.result().id[1:]), arrival, task.result()))
-                elif arrival == self.head:
-                    self.head = None  # the head left unserved (cancelled): what follows did not pass it
-        # Grants in the order the ledger made them (ids increase); count those that passed the head.
-        for _, arrival, reservation in sorted(granted):
-            self.held.append(reservation)
-            if self.head is not None and arrival != self.head and arrival > self.head:
-                self.head_passed += 1
-                assert self.head_passed <= MAX_BYPASS, "the head was passed more than max_bypass times"
-            if arrival == self.head:
-                self.head = None
-        new_head = min(self.waiting, default=None)
-        if new_head != self.head:
-            self.head, self.head_passed = new_head, 0
+                    self.held[arrival] = task.result()
 
-    @rule(nbytes=st.integers(0, CAPACITY))
-    def arrive(self, nbytes: int) -> None:
+    def arrive(self, arrival: int, nbytes: int, devices: tuple[str, ...] | None, priority: int) -> str:
+        task = self.loop.create_task(self.ledger.reserve(nbytes, devices=devices, priority=priority))
+        self.tasks[arrival] = task
+        self.spin()
+        if task.done() and not task.cancelled() and isinstance(task.exception(), QueueFull):
+            return "full"
+        return "granted" if arrival in self.held else "queued"
+
+    def release(self, arrival: int) -> None:
+        self.held.pop(arrival).release()
+        self.spin()
+
+    def shrink(self, arrival: int, keep: int) -> None:
+        self.held[arrival].shrink(keep)
+        self.spin()
+
+    def cancel(self, arrival: int) -> None:
+        self.tasks[arrival].cancel()
+        self.spin()
+
+    def placements(self) -> dict[int, tuple[str, int]]:
+        return {arrival: (r.device, r.nbytes) for arrival, r in self.held.items()}
+
+    def reserved(self) -> dict[str, int]:
+        return {d.name: d.reserved_bytes for d in self.ledger.statistics().devices}
+
+
+class InRedis:
+    """The Redis ledger's scripts, called one at a time: its decisions without any timing."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, server: RedisServer, namespace: str, max_queue: int) -> None:
+        from redis.asyncio import Redis
+
+        from gpu_asgi._redis_scripts import LedgerScripts
+
+        self.loop = loop
+        self.server = server
+        self.namespace = namespace
+        self.client = Redis.from_url(server.url)
+        self.scripts = LedgerScripts(
+            self.client,
+            namespace,
+            CAPACITIES,
+            lease_ttl=3600,
+            heartbeat=1000,
+            max_bypass=MAX_BYPASS,
+            max_queue=max_queue,
+            timeout=10,
+        )
+        self.devices = tuple(CAPACITIES)
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def arrive(self, arrival: int, nbytes: int, devices: tuple[str, ...] | None, priority: int) -> str:
+        names = [name for name in self.devices if devices is None or name in devices]
+        state, _ = self.run(self.scripts.reserve(f"a{arrival}", nbytes, names, priority))
+        return str(state)
+
+    def release(self, arrival: int) -> None:
+        self.run(self.scripts.release(f"a{arrival}", 0, True))
+
+    def shrink(self, arrival: int, keep: int) -> None:
+        self.run(self.scripts.release(f"a{arrival}", keep, False))
+
+    def cancel(self, arrival: int) -> None:
+        self.run(self.scripts.leave(f"a{arrival}"))
+
+    def placements(self) -> dict[int, tuple[str, int]]:
+        leases = self.server.client().hgetall("{" + self.namespace + "}:lease")
+        out = {}
+        for rid, record in leases.items():
+            nbytes, device = record.split(" ", 1)
+            out[int(rid[1:])] = (device, int(nbytes))
+        return out
+
+    def reserved(self) -> dict[str, int]:
+        raw = self.server.client().hgetall("{" + self.namespace + "}:reserved")
+        return {name: int(raw.get(name, 0)) for name in CAPACITIES}
+
+    def heads_passed(self) -> list[int]:
+        tickets = self.server.client().hvals("{" + self.namespace + "}:ticket")
+        return [json.loads(raw)["b"] for raw in tickets]
+
+    def close(self) -> None:
+        self.run(self.client.aclose())
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """The in-process ledger alone; ``TwoLedgersMachine`` adds the Redis ledger beside it."""
+
+    with_redis = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.memory: InProcess
+        self.redis: InRedis | None = None
+        self.arrivals = 0
+        self.waiting: dict[int, tuple[int, tuple[str, ...] | None, int]] = {}  # arrival -> request
+
+    @initialize(max_queue=st.integers(1, 12))
+    def setup(self, max_queue: int) -> None:
+        self.memory = InProcess(self.loop, max_queue)
+        if self.with_redis:
+            TwoLedgersMachine.namespaces += 1
+            namespace = f"machine-{TwoLedgersMachine.namespaces}"
+            self.redis = InRedis(self.loop, TwoLedgersMachine.server, namespace, max_queue)
+
+    def backends(self) -> list[Any]:
+        return [self.memory] if self.redis is None else [self.memory, self.redis]
+
+    def compare(self) -> None:
+        memory = self.memory.placements()
+        if self.redis is not None:
+            assert self.redis.placements() == memory, "the two ledgers admitted differently"
+        self.waiting = {a: w for a, w in self.waiting.items() if a not in memory and a in self.memory.tasks}
+
+    @rule(nbytes=SIZES, choice=st.integers(0, len(DEVICE_CHOICES) - 1), priority=PRIORITIES)
+    def arrive(self, nbytes: int, choice: int, priority: int) -> None:
+        devices = DEVICE_CHOICES[choice]
+        nbytes = min(nbytes, fits_everywhere(devices))
         self.arrivals += 1
-        full = self.ledger.statistics().waiting >= self.ledger.max_queue
-        task = self.loop.create_task(self.ledger.reserve(nbytes))
-        self.waiting[self.arrivals] = (nbytes, task)
-        self.settle()
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            assert full, f"rejected with {task.exception()!r} although the queue had room"
+        states = [b.arrive(self.arrivals, nbytes, devices, priority) for b in self.backends()]
+        assert len(set(states)) == 1, f"arrival {self.arrivals} ({nbytes} B): {states}"
+        if states[0] == "queued":
+            self.waiting[self.arrivals] = (nbytes, devices, priority)
+        self.compare()
 
-    @rule(nbytes=st.integers(CAPACITY + 1, 10 * CAPACITY))
+    @rule(nbytes=st.integers(101, 1000))
     def arrive_too_large(self, nbytes: int) -> None:
-        task = self.loop.create_task(self.ledger.reserve(nbytes))
+        task = self.loop.create_task(self.memory.ledger.reserve(nbytes))
         self.loop.run_until_complete(asyncio.wait([task]))
         assert isinstance(task.exception(), NeverFits)
 
-    @precondition(lambda self: self.held)
+    @precondition(lambda self: self.memory.held)
     @rule(index=st.integers(0, 1000))
     def release(self, index: int) -> None:
-        self.held.pop(index % len(self.held)).release()
-        self.settle()
+        arrival = sorted(self.memory.held)[index % len(self.memory.held)]
+        for backend in self.backends():
+            backend.release(arrival)
+        self.compare()
 
-    @precondition(lambda self: self.held)
+    @precondition(lambda self: self.memory.held)
     @rule(index=st.integers(0, 1000), keep=st.floats(0, 1))
     def shrink(self, index: int, keep: float) -> None:
-        reservation = self.held[index % len(self.held)]
-        reservation.shrink(int(reservation.nbytes * keep))
-        self.settle()
+        arrival = sorted(self.memory.held)[index % len(self.memory.held)]
+        nbytes = int(self.memory.held[arrival].nbytes * keep)
+        for backend in self.backends():
+            backend.shrink(arrival, nbytes)
+        self.compare()
 
-    @precondition(lambda self: self.waiting)
+    @precondition(lambda self: self.memory.tasks)
     @rule(index=st.integers(0, 1000))
     def cancel(self, index: int) -> None:
-        arrival = sorted(self.waiting)[index % len(self.waiting)]
-        self.waiting[arrival][1].cancel()
-        self.settle()
+        arrival = sorted(self.memory.tasks)[index % len(self.memory.tasks)]
+        for backend in self.backends():
+            backend.cancel(arrival)
+        self.compare()
 
     @invariant()
-    def never_over_committed(self) -> None:
-        if not hasattr(self, "ledger"):
+    def never_over_committed_and_nothing_leaked(self) -> None:
+        if not hasattr(self, "memory"):
             return
-        stats = self.ledger.statistics()
-        held = sum(r.nbytes for r in self.held)
-        assert stats.reserved_bytes == held
-        assert 0 <= held <= CAPACITY
-        assert stats.in_flight == len(self.held)
-        assert stats.waiting == len(self.waiting)
+        held = self.memory.placements()
+        for backend in self.backends():
+            reserved = backend.reserved()
+            for name, capacity in CAPACITIES.items():
+                on_device = sum(n for device, n in held.values() if device == name)
+                assert reserved[name] == on_device, f"{type(backend).__name__}: {name} counts {reserved[name]}"
+                assert 0 <= on_device <= capacity
+        stats = self.memory.ledger.statistics()
+        assert stats.in_flight == len(held)
+        assert stats.waiting == len(self.memory.tasks)
 
     @invariant()
-    def head_waits_only_when_it_does_not_fit(self) -> None:
-        if not hasattr(self, "ledger") or not self.waiting:
+    def no_head_that_could_be_admitted_waits(self) -> None:
+        """The earliest waiter of the highest priority is a lane head nothing can have claimed a
+        device from unless it arrived later: it waits only if it fits on none of its devices, or
+        an earlier waiter has claimed them."""
+        if not hasattr(self, "memory") or not self.waiting:
             return
-        head_bytes = self.waiting[min(self.waiting)][0]
-        assert head_bytes > CAPACITY - self.ledger.statistics().reserved_bytes
+        free = {name: CAPACITIES[name] - n for name, n in self.memory.reserved().items()}
+        first = min(self.waiting)  # the earliest arrival is always a lane head, and nothing claims before it
+        nbytes, devices, _ = self.waiting[first]
+        assert all(nbytes > free[name] for name in devices or CAPACITIES), f"arrival {first} fits but waits"
+
+    @invariant()
+    def no_head_is_passed_more_than_max_bypass_times(self) -> None:
+        if not hasattr(self, "memory"):
+            return
+        for lane in self.memory.ledger._lanes.values():
+            for waiter in lane.values():
+                assert waiter.passed <= MAX_BYPASS
+        if self.redis is not None:
+            assert all(passed <= MAX_BYPASS for passed in self.redis.heads_passed())
 
     def teardown(self) -> None:
-        if hasattr(self, "ledger"):
-            for _, task in self.waiting.values():
-                task.cancel()
-            self.settle()
-            for reservation in self.held:
-                reservation.release()
-            stats = self.ledger.statistics()
+        if hasattr(self, "memory"):
+            while self.memory.tasks:  # a departure may admit the next: it then holds bytes
+                arrival = min(self.memory.tasks)
+                for backend in self.backends():
+                    backend.cancel(arrival)
+            for arrival in sorted(self.memory.held):
+                for backend in self.backends():
+                    backend.release(arrival)
+            stats = self.memory.ledger.statistics()
             assert stats.reserved_bytes == 0 and stats.waiting == 0 and stats.in_flight == 0
+            if self.redis is not None:
+                assert self.redis.server.ledger_state(self.redis.namespace) == {
+                    "reserved": 0,
+                    "leases": 0,
+                    "tickets": 0,
+                    "queued": 0,
+                }
+                self.redis.close()
         self.loop.close()
+
+
+class TwoLedgersMachine(LedgerMachine):
+    with_redis = True
+    server: RedisServer
+    namespaces = 0
 
 
 LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestLedgerStateMachine = LedgerMachine.TestCase
+
+# Each Redis step is a round trip: fewer examples keep the default test run fast.
+# Derandomized: the same examples on every run, so a run's time and outcome do not vary.
+TwoLedgersMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, derandomize=True, database=None
+)
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
+def test_both_ledgers_decide_alike(redis_server: RedisServer) -> None:
+    TwoLedgersMachine.server = redis_server
+    TwoLedgersMachine.TestCase().runTest()

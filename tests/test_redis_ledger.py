@@ -337,3 +337,23 @@ def test_options_are_checked() -> None:
         RedisLedger("redis://127.0.0.1:1", 100, max_connections=1)
     with pytest.raises(ValueError, match="braces"):
         RedisLedger("redis://127.0.0.1:1", 100, namespace="{x}")
+
+
+async def test_a_wait_for_a_pooled_connection_is_not_redis_being_down(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    # One connection for the scripts (the other is the wake-up subscription's) and a short
+    # timeout: most of a burst waits longer than redis_timeout for the connection. That is a
+    # burst, not an outage: nobody may get ledger-unavailable while Redis answers.
+    ledger = RedisLedger(redis_server.url, 10_000, namespace=namespace, max_connections=2, redis_timeout=0.1)
+    await ledger.refresh_statistics()
+    try:
+        outcomes = await asyncio.gather(*(ledger.reserve(1) for _ in range(600)), return_exceptions=True)
+        assert [o for o in outcomes if not isinstance(o, Reservation)] == []
+        assert ledger.available
+        for reservation in outcomes:
+            assert isinstance(reservation, Reservation)
+            reservation.release()
+        await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+    finally:
+        await ledger.aclose()

@@ -1,6 +1,7 @@
 """Ledger operations: the in-process ``Ledger`` against the shared ``RedisLedger``, 1 and 4 processes.
 
     python -m tests.benchmarks.bench_ledger_ops [--seconds 3] [--clients 16] [--redis-url URL]
+        [--workloads single free contended] [--ledgers in-process redis]
 
 Each process runs coroutines ("clients") that loop reserve → release for ``--seconds``.
 *ops/s* counts completed reserve+release pairs over all processes; *admission latency* is the
@@ -107,6 +108,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--clients", type=int, default=16, help="concurrent coroutines per process")
     parser.add_argument("--redis-url", help="an existing Redis; default: start a private redis-server")
+    parser.add_argument("--workloads", nargs="+", default=["single", "free", "contended"])
+    parser.add_argument("--ledgers", nargs="+", default=["in-process", "redis"])
     options = parser.parse_args()
 
     server = None
@@ -117,8 +120,10 @@ def main() -> None:
     url = options.redis_url or server.url  # type: ignore[union-attr]
     rows = []
     try:
-        for workload in ("single", "free", "contended"):
+        for workload in options.workloads:
             for kind, processes in (("in-process", 1), ("in-process", 4), ("redis", 1), ("redis", 4)):
+                if kind not in options.ledgers:
+                    continue
                 rows.append(run(kind, workload, processes, url, options.clients, options.seconds))
                 row = rows[-1]
                 print(f"{kind:10} ×{processes} {workload:9} {row['ops_per_second']:10.0f} ops/s", flush=True)
