@@ -158,31 +158,29 @@ class GPUAdmissionMiddleware:
             # above), so GET/HEAD/OPTIONS/TRACE go straight through, as does a request an outer
             # GPUAdmissionMiddleware already watches.
             if scope["method"] not in BODYLESS_METHODS and WATCHED_SCOPE_KEY not in scope:
-                await self._watch(scope, receive, send)
+                # Watched: the app gets receive/send wrapped by a Responder; the router picks the
+                # endpoint, and a tagged one is admitted at its first body read. Inline, not in a
+                # helper coroutine: every POST, tagged or not, would pay for that frame.
+                scope[WATCHED_SCOPE_KEY] = True
+                responder = Responder(self, scope, receive, send)
+                if self._explicit:
+                    spec = self._explicit.get(scope["path"])
+                    if spec is not None and scope["method"] in spec.methods and not await responder.admit(spec):
+                        return
+                try:
+                    await self.app(scope, responder.receive, responder.send)
+                except BaseException as error:
+                    if not caused_by_answer(error):
+                        raise
+                    if isinstance(error, BaseExceptionGroup):  # what else our signal set off, for whoever looks
+                        logger.debug("after gpu_asgi answered %s, the app raised", _route_name(scope), exc_info=error)
+                finally:
+                    responder.finish()
                 return
         elif kind == "lifespan":
             await self._lifespan(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-    async def _watch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Call the app with receive/send wrapped by a :class:`Responder`: the router picks the
-        endpoint, and a tagged one is admitted at its first body read."""
-        scope[WATCHED_SCOPE_KEY] = True
-        responder = Responder(self, scope, receive, send)
-        if self._explicit:
-            spec = self._explicit.get(scope["path"])
-            if spec is not None and scope["method"] in spec.methods and not await responder.admit(spec):
-                return
-        try:
-            await self.app(scope, responder.receive, responder.send)
-        except BaseException as error:
-            if not caused_by_answer(error):
-                raise
-            if isinstance(error, BaseExceptionGroup):  # what else our signal set off, for whoever looks
-                logger.debug("after gpu_asgi answered %s, the app raised", _route_name(scope), exc_info=error)
-        finally:
-            responder.finish()
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Refuse to start (``lifespan.startup.failed``) on a loop or routes gpu_asgi cannot serve."""

@@ -18,7 +18,7 @@ from ._tagging import RouteSpec, route_spec_of
 from ._types import Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from ._middleware import GPUAdmissionMiddleware
+    from ._middleware import GPUAdmissionMiddleware, Granted
 
 _UNDECIDED, _PASS, _ADMITTED, _ANSWERED = range(4)
 
@@ -78,7 +78,9 @@ class Responder:
 
     async def admit(self, spec: RouteSpec) -> bool:
         """Admit now; False when gpu_asgi answered instead (or the client left)."""
-        granted = await self._middleware.admit(spec, self._scope, self._receive, self._send)
+        return self._granted(await self._middleware.admit(spec, self._scope, self._receive, self._send))
+
+    def _granted(self, granted: Granted | None) -> bool:
         if granted is None:
             self._state = _ANSWERED
             return False
@@ -94,43 +96,57 @@ class Responder:
             self._pending.cancel()
 
     def receive(self) -> Awaitable[Message]:
-        """The app's ``receive``. Once the request is known untagged, the server's own call,
-        with no coroutine of ours in between: that is all an untagged request pays per message."""
-        if self._state == _PASS:
+        """The app's ``receive``. Whatever can be decided without waiting is decided here, so an
+        untagged request gets the server's own call, with no coroutine of ours in between."""
+        state = self._state
+        if state == _UNDECIDED:
+            spec = matched_spec(self._scope)
+            if spec is not None:
+                return self._admit_and_replay(spec)
+            if self._scope.get("endpoint") is not self._entry_endpoint:
+                self._state = _PASS  # routed to an untagged endpoint: step aside for good
+            # else not routed yet (something before the router reads the body): decide later,
+            # so the check in send() still catches a tagged endpoint that runs after it
+            return self._receive()
+        if state == _PASS:
             return self._receive()
         return self._receive_watched()
 
     def send(self, message: Message) -> Awaitable[None]:
-        """The app's ``send``; the server's own call once the request is known untagged."""
-        if self._state == _PASS:
+        """The app's ``send``; the server's own call when there is nothing to add or to release."""
+        state = self._state
+        if state == _PASS:
             return self._send(message)
+        if message["type"] == "http.response.start":
+            if state == _UNDECIDED and matched_spec(self._scope) is None:
+                self._state = _PASS  # an untagged endpoint (or none: a 404/405) answers
+                return self._send(message)
+            if state == _ADMITTED and self._clamp is None:
+                return self._send(message)  # the bytes are released at the last body chunk
         return self._send_watched(message)
 
-    async def _receive_watched(self) -> Message:
-        state = self._state
-        if state == _UNDECIDED:
-            spec = matched_spec(self._scope)
-            if spec is None:
-                if self._scope.get("endpoint") is not self._entry_endpoint:
-                    self._state = _PASS  # routed to an untagged endpoint: step aside for good
-                # else not routed yet (something before the router reads the body): decide later,
-                # so the check in send() still catches a tagged endpoint that runs after it
-                return await self._receive()
-            if not await self.admit(spec):
-                raise Answered
-            state = _ADMITTED
-        if state == _ADMITTED:
-            if self._body is not None:
-                body, self._body = self._body, None
-                return {"type": "http.request", "body": body, "more_body": False}
-            if self._pending is not None:
-                waiting, self._pending = self._pending, None
-                return await waiting
-            # A disconnect does not release here: a model call may still be using the memory in
-            # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
-            # and finish() releases once the endpoint has really stopped.
-        elif state == _ANSWERED:
+    async def _admit_and_replay(self, spec: RouteSpec) -> Message:
+        """A tagged endpoint's first read: admit, then hand it the body that admission read."""
+        if not self._granted(await self._middleware.admit(spec, self._scope, self._receive, self._send)):
             raise Answered
+        return self._replay()
+
+    def _replay(self) -> Message:
+        body, self._body = self._body, None
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def _receive_watched(self) -> Message:
+        """Reads after admission (or after gpu_asgi answered)."""
+        if self._state == _ANSWERED:
+            raise Answered
+        if self._body is not None:
+            return self._replay()
+        if self._pending is not None:
+            waiting, self._pending = self._pending, None
+            return await waiting
+        # A disconnect does not release here: a model call may still be using the memory in
+        # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
+        # and finish() releases once the endpoint has really stopped.
         return await self._receive()
 
     async def _send_watched(self, message: Message) -> None:
@@ -143,12 +159,10 @@ class Responder:
             if (kind == "http.response.body" and not message.get("more_body", False)) or kind == "http.response.pathsend":
                 self._reservation.release()  # type: ignore[union-attr]
             return
-        if state == _UNDECIDED and message["type"] == "http.response.start":
-            if matched_spec(self._scope) is not None:
-                self._state = _ANSWERED
-                await self._middleware.answer_unread(self._scope, self._send)
-                raise Answered
-            self._state = _PASS
-        elif state == _ANSWERED:
+        if state == _UNDECIDED and message["type"] == "http.response.start":  # a tagged endpoint, body unread
+            self._state = _ANSWERED
+            await self._middleware.answer_unread(self._scope, self._send)
+            raise Answered
+        if state == _ANSWERED:
             return  # gpu_asgi has answered already; whatever the app sends after is dropped
         await self._send(message)
