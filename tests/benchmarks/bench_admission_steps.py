@@ -1,0 +1,96 @@
+"""Where a tagged request's admission time goes: each step of ``GPUAdmissionMiddleware.admit``
+timed alone, beside the whole of it, on the body ``bench_overhead`` sends.
+
+    python -m tests.benchmarks.bench_admission_steps [--requests 100000] [--rounds 3]
+
+Each figure is the best of ``rounds`` loops of ``requests`` calls (µs per call), so a busy
+machine inflates it less. The steps do not add up to the whole exactly: the whole also builds
+the admission record, sets the request state and runs the code between the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator
+from gpu_asgi._body import check_headers, parse_request, read_body
+from gpu_asgi._tagging import RouteSpec
+
+from ._report import table, write_report
+from .bench_overhead import BODY, scope_for
+
+PROMPT = "word " * 196  # what parse_request finds in BODY
+
+
+async def run(requests: int, rounds: int) -> dict[str, float]:
+    middleware = GPUAdmissionMiddleware(
+        lambda scope, receive, send: None, ledger=Ledger(1 << 40), estimator=LinearEstimator(bytes_per_token=1)
+    )
+    spec = RouteSpec()
+    message = {"type": "http.request", "body": BODY, "more_body": False}
+    template = scope_for("/generate", "POST", None)  # type: ignore[arg-type]
+
+    async def receive() -> dict[str, Any]:
+        return message
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async def whole() -> None:
+        granted = await middleware.admit(spec, dict(template), receive, send)
+        assert granted is not None
+        granted[0].release()
+
+    async def body() -> None:
+        await read_body(receive, 1 << 20, 30.0, middleware._deadlines)
+
+    def span() -> None:
+        started = middleware._tracer.start_span("step")
+        started.is_recording()
+        started.end()
+
+    def reserve() -> None:
+        reservation = middleware.ledger.try_reserve(1000)
+        assert reservation is not None
+        reservation.release()
+
+    steps: dict[str, Callable[[], Awaitable[None] | None]] = {
+        "whole admit()": whole,
+        "check_headers": lambda: check_headers(template, 1 << 20),
+        "read_body (with its deadline)": body,
+        "parse_request": lambda: parse_request(BODY, spec, lambda: "route") and None,
+        "count tokens (heuristic)": lambda: middleware.token_counter.count(PROMPT) and None,
+        "estimate": lambda: middleware.estimator.estimate(200, 64, 1) and None,
+        "queue-wait span (no SDK)": span,
+        "ledger try_reserve + release": reserve,
+    }
+    results: dict[str, float] = {}
+    for name, step in steps.items():
+        best = float("inf")
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(requests):
+                awaitable = step()
+                if awaitable is not None:
+                    await awaitable
+            best = min(best, (time.perf_counter() - start) / requests * 1e6)
+        results[name] = best
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    results = asyncio.run(run(args.requests, args.rounds))
+    print(table([[name, us] for name, us in results.items()], ["step", "µs per call"]))
+    print("report:", write_report("admission_steps", {"requests": args.requests, "rounds": args.rounds, "us": results}))
+
+
+if __name__ == "__main__":
+    main()
