@@ -1,0 +1,72 @@
+"""What the middleware leaves untouched on its hot path: an untagged request's reads are the
+server's own calls, with nothing of gpu_asgi's in between (see docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator, gpu_bound
+from gpu_asgi._types import Message
+
+from ._asgi import http_scope
+
+
+class Server:
+    """An ASGI server stand-in whose ``receive()`` hands out already-resolved futures it keeps."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.issued: list[asyncio.Future[Message]] = []
+        self.sent: list[Message] = []
+
+    def receive(self) -> asyncio.Future[Message]:
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        future.set_result({"type": "http.request", "body": self.body, "more_body": False})
+        self.issued.append(future)
+        return future
+
+    async def send(self, message: Message) -> None:
+        self.sent.append(message)
+
+
+def app_with(server: Server) -> Starlette:
+    async def untagged(request: Request) -> JSONResponse:
+        awaitable = request.receive()  # what Starlette's own body read would await
+        same = any(awaitable is issued for issued in server.issued)
+        message = await awaitable
+        return JSONResponse({"server_call": same, "body": len(message["body"])})
+
+    @gpu_bound()
+    async def tagged(request: Request) -> JSONResponse:
+        return JSONResponse({"body": len(await request.body())})
+
+    app = Starlette(routes=[Route("/untagged", untagged, methods=["POST"]), Route("/generate", tagged, methods=["POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(1 << 30), estimator=LinearEstimator(bytes_per_token=1))
+    return app
+
+
+def response_of(server: Server) -> tuple[int, Any]:
+    start = next(m for m in server.sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in server.sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body)
+
+
+async def test_an_untagged_route_reads_through_the_servers_own_receive() -> None:
+    server = Server(b"not json at all")
+    await app_with(server)(http_scope("/untagged"), server.receive, server.send)
+    assert response_of(server) == (200, {"server_call": True, "body": 15})
+
+
+async def test_a_tagged_route_still_gets_its_body_replayed_after_admission() -> None:
+    body = json.dumps({"prompt": "hello there", "max_new_tokens": 4}).encode()
+    server = Server(body)
+    await app_with(server)(http_scope("/generate"), server.receive, server.send)
+    assert response_of(server) == (200, {"body": len(body)})
+    assert len(server.issued) == 1  # admission read the body once; the endpoint got the same bytes
