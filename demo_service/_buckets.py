@@ -42,8 +42,10 @@ class BucketedEstimator:
 
     base: Estimator
 
-    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
-        return self.base.estimate(bucket(prompt_tokens), bucket(max_new_tokens), batch)
+    def estimate(
+        self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None
+    ) -> int:
+        return self.base.estimate(bucket(prompt_tokens), bucket(max_new_tokens), batch, sampling=sampling)
 
     def batch_bytes(self, prompt_tokens: Iterable[int], max_new_tokens: Iterable[int]) -> int:
         """What one left-padded ``generate`` over these rows really needs (unbucketed lengths)."""

@@ -35,6 +35,8 @@ class ParsedRequest:
     max_new_tokens: int
     #: Sequences generated per prompt (OpenAI ``n``).
     n: int
+    #: True when the body asks for sampling, False for greedy decoding, None when it does not say.
+    sampling: bool | None = None
 
 
 def check_headers(scope: Scope, max_bytes: int) -> None:
@@ -94,7 +96,21 @@ def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str] | None 
     """
     data = _load_json(body)
     prompts = _extract_prompts(data, spec, route)
-    return ParsedRequest(prompts, _max_new_tokens(data, spec), _n(data, spec))
+    return ParsedRequest(prompts, _max_new_tokens(data, spec), _n(data, spec), _sampling(data))
+
+
+def _sampling(data: dict[str, Any]) -> bool | None:
+    """Greedy or sampling, as Hugging Face ``generate`` (``do_sample``) and OpenAI-style APIs
+    (``temperature``; 0 means greedy) say it. Anything else, or an ill-typed value (the endpoint's
+    own validation answers for it), is None: the estimator's default, which budgets for sampling
+    unless the route says otherwise."""
+    do_sample = data.get("do_sample")
+    if type(do_sample) is bool:
+        return do_sample
+    temperature = data.get("temperature")
+    if isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature >= 0:
+        return temperature > 0
+    return None
 
 
 def _load_json_stdlib(body: bytes) -> Any:

@@ -161,10 +161,14 @@ class CalibratedEstimator:
     def factor(self) -> float:
         return self.calibration.factor(self.route)
 
-    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
-        return math.ceil(self.inner.estimate(prompt_tokens, max_new_tokens, batch) * self.factor)
+    def estimate(
+        self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None
+    ) -> int:
+        return math.ceil(self.inner.estimate(prompt_tokens, max_new_tokens, batch, sampling=sampling) * self.factor)
 
-    def observe(self, prompt_tokens: int, max_new_tokens: int, batch: int, peak_bytes: int) -> float:
+    def observe(
+        self, prompt_tokens: int, max_new_tokens: int, batch: int, peak_bytes: int, *, sampling: bool | None = None
+    ) -> float:
         """One request's measured peak; returns the route's factor after it."""
-        estimated = self.inner.estimate(prompt_tokens, max_new_tokens, batch)
+        estimated = self.inner.estimate(prompt_tokens, max_new_tokens, batch, sampling=sampling)
         return self.calibration.observe(self.route, estimated, peak_bytes)

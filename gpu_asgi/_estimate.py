@@ -30,8 +30,15 @@ _DTYPE_BYTES = {
 class Estimator(Protocol):
     """What the middleware asks of an estimator, per request."""
 
-    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
-        """Peak bytes one request of `batch` sequences adds on top of the fixed cost."""
+    def estimate(
+        self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None
+    ) -> int:
+        """Peak bytes one request of `batch` sequences adds on top of the fixed cost.
+
+        `sampling` is what the request asked for: True (sampling), False (greedy decoding) or
+        None (it did not say: the estimator's own default). An estimator that does not tell the
+        two apart ignores it.
+        """
         ...
 
 
@@ -56,8 +63,10 @@ class LinearEstimator:
         if self.bytes_per_token < 0 or self.fixed_bytes < 0:
             raise ValueError(f"coefficients must be >= 0, got {self!r}")
 
-    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
-        _check(prompt_tokens, max_new_tokens, batch)
+    def estimate(
+        self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None
+    ) -> int:
+        _check(prompt_tokens, max_new_tokens, batch)  # `sampling` does not change a linear fit
         return batch * (self.fixed_bytes + self.bytes_per_token * (prompt_tokens + max_new_tokens))
 
 

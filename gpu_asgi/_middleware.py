@@ -78,6 +78,8 @@ class Admission:
     clamped_from: int | None = None
     _metrics: GPUMetrics | None = field(default=None, repr=False, compare=False)
     _estimator: Estimator | None = field(default=None, repr=False, compare=False)
+    #: What the body asked for: True sampling, False greedy decoding, None not said.
+    sampling: bool | None = None
 
     @property
     def device(self) -> str:
@@ -90,7 +92,7 @@ class Admission:
             self._metrics.record_peak(self.device, self.estimated_bytes, nbytes)
         observe = getattr(self._estimator, "observe", None)
         if observe is not None:
-            observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes)
+            observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes, sampling=self.sampling)
 
 
 def _route_name(scope: Scope) -> str:
@@ -252,7 +254,7 @@ class GPUAdmissionMiddleware:
                 prompt_tokens = max(n + prompt.known_tokens for n, prompt in zip(counts, prompts))
             batch = len(prompts) * request.n
             estimator = spec.estimator or self.estimator
-            nbytes = estimator.estimate(prompt_tokens, max_new_tokens, batch)
+            nbytes = estimator.estimate(prompt_tokens, max_new_tokens, batch, sampling=request.sampling)
         except GPUAdmissionError as error:
             if metrics is not None:
                 metrics.record_rejection(error.reason)
@@ -272,7 +274,9 @@ class GPUAdmissionMiddleware:
         if reservation is None:
             return None  # disconnected while queued: never admitted
 
-        admission = Admission(reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics, estimator)
+        admission = Admission(
+            reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics, estimator, request.sampling
+        )
         state = scope.get("state")
         if state is None:
             scope["state"] = state = {}

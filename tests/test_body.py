@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -131,3 +132,23 @@ def test_openai_precedence_for_the_token_fields() -> None:
     assert parse_request(both, RouteSpec(), lambda: "POST /x").max_new_tokens == 5
     three = b'{"prompt": "a", "max_tokens": 9, "max_completion_tokens": 5, "max_new_tokens": 7}'
     assert parse_request(three, RouteSpec(), lambda: "POST /x").max_new_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, None),
+        ({"do_sample": False}, False),
+        ({"do_sample": True, "temperature": 0}, True),  # do_sample decides, as in generate()
+        ({"temperature": 0}, False),
+        ({"temperature": 0.0}, False),
+        ({"temperature": 0.7}, True),
+        ({"temperature": -1}, None),  # ill-typed or out of range: the endpoint's own validation answers
+        ({"temperature": "0"}, None),
+        ({"temperature": True}, None),
+        ({"do_sample": "no"}, None),
+    ],
+)
+def test_greedy_or_sampling_is_read_from_the_body(fields: dict[str, object], expected: bool | None) -> None:
+    body = json.dumps({"prompt": "hello", **fields}).encode()
+    assert parse_request(body, RouteSpec()).sampling is expected

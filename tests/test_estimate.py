@@ -406,3 +406,40 @@ def test_a_left_padded_batch_allocates_the_mask_the_estimate_counts() -> None:
     mask_term = AnalyticEstimator.from_config(model.config, dtype=torch.float32, additive_mask=False)
     no_mask = AnalyticEstimator.from_config(model.config, dtype=torch.float32, padding=False)
     assert mask_term.estimate(prompt, 8, batch) - no_mask.estimate(prompt, 8, batch) == batch * prompt * prompt
+
+
+async def test_the_middleware_estimates_a_greedy_request_as_greedy() -> None:
+    # The body says how it decodes (temperature 0 / do_sample false): the estimate follows it,
+    # and a request that does not say gets the estimator's default (sampling).
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from gpu_asgi import GPUAdmissionMiddleware, Ledger, gpu_bound
+
+    from ._asgi import Words, client
+
+    estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
+
+    @gpu_bound()
+    async def generate(request: Request) -> JSONResponse:
+        await request.body()
+        admission = request.state.gpu_admission
+        return JSONResponse({"bytes": admission.estimated_bytes, "sampling": admission.sampling})
+
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger({"cpu": 1 << 40}), estimator=estimator, token_counter=Words())
+    async with client(app) as http:
+        answers = [
+            (await http.post("/generate", json={"prompt": "a b c", "max_new_tokens": 8, **fields})).json()
+            for fields in ({}, {"temperature": 0}, {"do_sample": False}, {"temperature": 0.7})
+        ]
+    sampled, greedy = estimator.estimate(3, 8), estimator.estimate(3, 8, sampling=False)
+    assert greedy < sampled
+    assert answers == [
+        {"bytes": sampled, "sampling": None},
+        {"bytes": greedy, "sampling": False},
+        {"bytes": greedy, "sampling": False},
+        {"bytes": sampled, "sampling": True},
+    ]
