@@ -23,19 +23,12 @@ class Deadlines:
     def __init__(self, tick: float) -> None:
         self._tick = tick
         self._sweeps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Sweep] = weakref.WeakKeyDictionary()
-        #: The last loop's sweep, read and replaced as one tuple (atomic across threads): most
-        #: processes run one loop, and a weak-dictionary lookup builds a weakref every time. (It
-        #: keeps that one loop alive until another loop replaces it.)
-        self._last: tuple[asyncio.AbstractEventLoop | None, Sweep | None] = (None, None)
 
     def sweep(self) -> Sweep:
         loop = asyncio.get_running_loop()
-        last_loop, sweep = self._last
-        if last_loop is not loop or sweep is None:
-            sweep = self._sweeps.get(loop)
-            if sweep is None:
-                sweep = self._sweeps[loop] = Sweep(loop, self._tick)
-            self._last = (loop, sweep)
+        sweep = self._sweeps.get(loop)
+        if sweep is None:
+            sweep = self._sweeps[loop] = Sweep(loop, self._tick)
         return sweep
 
 
