@@ -22,9 +22,9 @@ from opentelemetry.trace import Span, TracerProvider
 
 from . import _telemetry as otel
 from ._body import check_headers, client_wait, parse_request, read_body
+from ._client_deadline import queue_timeout
 from ._deadlines import Deadlines
 from ._device_policy import CLAMPED_HEADER, DeviceGuard, ThermalPolicy
-from ._drain import MIN_RETRY_AFTER
 from ._errors import DeadlineUnmeetable, DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
 from ._estimate import Estimator
 from ._ledger import BudgetLedger, Reservation
@@ -323,7 +323,7 @@ class GPUAdmissionMiddleware:
             devices = spec.devices if self.device_guard is None else self._trusted_devices(spec, nbytes)
             reservation = self.ledger.try_reserve(nbytes, devices=devices)
             if reservation is None:
-                timeout = None if wait_limit is None else self._deadline(nbytes, spec.priority, wait_limit)
+                timeout = None if wait_limit is None else queue_timeout(self.ledger, nbytes, spec.priority, wait_limit)
                 # Requests whose reserve() task has not run yet are not in the ledger's count: ours covers them.
                 depth = max(self.ledger.statistics().waiting, self._queued)
                 self._queued += 1
@@ -386,25 +386,6 @@ class GPUAdmissionMiddleware:
             reservation.release()
             error.retry_after = self.ledger.retry_after(nbytes)
             raise error
-
-    def _deadline(self, nbytes: int, priority: int, wait_limit: float) -> float:
-        """The queue timeout of a request that waits at most ``wait_limit`` seconds, or
-        :class:`DeadlineUnmeetable` when the predicted wait (``Retry-After``'s model) is longer.
-
-        Only a prediction from an observed drain rate refuses: before any release the ledger's
-        hint is its ``max_wait`` fallback, which says nothing about this wait. A prediction at the
-        1 s floor cannot be told from a shorter wait, so it never refuses either.
-        """
-        ledger = self.ledger
-        if ledger.statistics().release_rate_bytes_per_second > 0:
-            predicted = ledger.retry_after(nbytes, priority=priority)
-            if predicted > wait_limit and predicted > MIN_RETRY_AFTER:
-                raise DeadlineUnmeetable(
-                    f"The predicted wait for GPU memory is {predicted:.3g} s; this request waits at most {wait_limit:g} s.",
-                    retry_after=predicted,
-                    predicted_wait_seconds=round(predicted, 3),
-                )
-        return min(wait_limit, self._wait_cap)
 
     async def _wait(
         self,
