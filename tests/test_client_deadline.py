@@ -10,12 +10,22 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gpu_asgi import BudgetLedger, DeadlineUnmeetable, GPUAdmissionMiddleware, Ledger, Reservation, RouteSpec, gpu_bound
+from gpu_asgi import (
+    BudgetLedger,
+    DeadlineUnmeetable,
+    GPUAdmissionMiddleware,
+    GPUMetrics,
+    Ledger,
+    Reservation,
+    RouteSpec,
+    gpu_bound,
+)
 
 from . import _redis
 from ._asgi import client, wait_until
@@ -55,14 +65,14 @@ def recording(ledger: BudgetLedger) -> list[float | None]:
     return timeouts
 
 
-def app_for(ledger: BudgetLedger, reject_status: int = 503, **route: Any) -> Starlette:
+def app_for(ledger: BudgetLedger, reject_status: int = 503, metrics: GPUMetrics | None = None, **route: Any) -> Starlette:
     @gpu_bound(**route)
     async def generate(request: Request) -> JSONResponse:
         await request.body()
         return JSONResponse({"ok": True})
 
     app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
-    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=Fixed(), reject_status=reject_status)
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=Fixed(), reject_status=reject_status, metrics=metrics)
     return app
 
 
@@ -160,6 +170,17 @@ async def test_only_the_max_wait_fallback_never_refuses() -> None:
     await wait_until(lambda: ledger.statistics().waiting == 1)
     holder.release()
     assert (await request).status_code == 200 and timeouts == [2.0]
+
+
+async def test_both_refusals_are_counted_by_reason() -> None:
+    ledger, holder = await full_ledger_with_a_drain_rate()
+    registry = CollectorRegistry()
+    app = app_for(ledger, metrics=GPUMetrics(ledger, registry=registry, multiprocess=False))
+    assert (await post(app, "2")).status_code == 503
+    assert (await post(app, "soon")).status_code == 400
+    for reason in ("deadline-unmeetable", "invalid-header"):
+        assert registry.get_sample_value("gpu_asgi_rejected_total", {"reason": reason}) == 1
+    holder.release()
 
 
 def test_max_client_wait_must_be_positive_and_finite() -> None:
