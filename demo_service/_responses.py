@@ -46,7 +46,8 @@ _RETRY_AFTER = {
     }
 }
 _WHEN = {
-    400: "The body is not JSON, not UTF-8, or nested too deeply (gpu_asgi: invalid-json).",
+    400: "The body is not JSON, not UTF-8, or nested too deeply (gpu_asgi: invalid-json), or x-request-timeout "
+    "is not a positive number of seconds (invalid-header).",
     404: "The model named is not served here.",
     408: "The body was not received in time (gpu_asgi: body-timeout).",
     413: "The body is too large (body-too-large), or the request needs more GPU memory than the whole budget "
@@ -54,9 +55,10 @@ _WHEN = {
     415: "The Content-Type is not JSON (gpu_asgi: unsupported-media-type).",
     422: "A field is missing, of the wrong type or out of range: gpu_asgi's invalid-field (prompt, max tokens, n), "
     "or the demo's validation (with an errors list).",
-    429: "Overloaded, when the server answers overload with 429: queue-full, queue-timeout, device-memory-low.",
+    429: "Overloaded, when the server answers overload with 429: queue-full, queue-timeout, deadline-unmeetable, "
+    "device-memory-low.",
     500: "Generation failed.",
-    503: "Overloaded (queue-full, queue-timeout, device-memory-low), or the ledger or the device probe is "
+    503: "Overloaded (queue-full, queue-timeout, deadline-unmeetable, device-memory-low), or the ledger or the device probe is "
     "unavailable (ledger-unavailable, device-probe-failed).",
 }
 

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ._deadlines import Deadlines
-from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, UnsupportedMediaType
+from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidHeader, InvalidJSON, UnsupportedMediaType
 from ._tagging import RouteSpec
 from ._types import Receive, Scope
 
 #: Tokens a chat template adds around each message (ChatML: ``<|im_start|>role\n ... <|im_end|>\n``).
 MESSAGE_OVERHEAD_TOKENS = 5
+#: How long the client is willing to wait for GPU memory, in seconds (docs/admission.md, Deadlines).
+REQUEST_TIMEOUT_HEADER = b"x-request-timeout"
+_DECIMAL = re.compile(rb"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
 @dataclass(slots=True)
@@ -39,8 +43,10 @@ class ParsedRequest:
     sampling: bool | None = None
 
 
-def check_headers(scope: Scope, max_bytes: int) -> None:
-    """Reject on headers alone, before reading a byte: wrong media type or an announced size over the cap."""
+def check_headers(scope: Scope, max_bytes: int) -> bytes | None:
+    """Reject on headers alone, before reading a byte: wrong media type or an announced size over
+    the cap. Returns the raw ``x-request-timeout`` value, if sent (see :func:`client_wait`)."""
+    timeout = None
     for name, value in scope["headers"]:
         if name == b"content-type":
             media_type = value.split(b";", 1)[0].strip().lower()
@@ -56,6 +62,21 @@ def check_headers(scope: Scope, max_bytes: int) -> None:
                 raise BodyTooLarge(
                     f"The body announces {announced} bytes; the limit is {max_bytes}.", limit_bytes=max_bytes
                 )
+        elif name == REQUEST_TIMEOUT_HEADER:
+            timeout = value
+    return timeout
+
+
+def client_wait(raw: bytes, cap: float) -> float:
+    """Seconds from an ``x-request-timeout`` value (a positive, finite number), at most ``cap``."""
+    # Plain decimals only: float() would also take " 5", "1_0", "inf" and "1e999".
+    seconds = float(raw) if _DECIMAL.fullmatch(raw) else 0.0
+    if not seconds > 0:
+        raise InvalidHeader(
+            f"x-request-timeout must be a positive, finite number of seconds, not {raw.decode('latin-1')!r}.",
+            header="x-request-timeout",
+        )
+    return min(seconds, cap)
 
 
 async def read_body(receive: Receive, max_bytes: int, timeout: float, deadlines: Deadlines) -> bytes | None:

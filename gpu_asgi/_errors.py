@@ -49,6 +49,12 @@ class BodyTimeout(BodyError):
     status, reason, title = 408, "body-timeout", "Request body was not received in time"
 
 
+class InvalidHeader(GPUAdmissionError):
+    """A request header gpu_asgi reads (``x-request-timeout``) has a value it cannot use."""
+
+    status, reason, title = 400, "invalid-header", "A request header is invalid"
+
+
 class InvalidField(BodyError):
     """A field is missing, of the wrong type or out of range."""
 
@@ -70,6 +76,12 @@ class QueueFull(AdmissionRejected):
 
 class QueueTimeout(AdmissionRejected):
     reason, title = "queue-timeout", "The request waited too long for GPU memory"
+
+
+class DeadlineUnmeetable(AdmissionRejected):
+    """The request would have to queue, and the predicted wait is longer than it is willing to wait."""
+
+    reason, title = "deadline-unmeetable", "The GPU cannot admit the request within its deadline"
 
 
 class NeverFits(AdmissionRejected):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,10 +21,11 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import Span, TracerProvider
 
 from . import _telemetry as otel
-from ._body import check_headers, parse_request, read_body
+from ._body import check_headers, client_wait, parse_request, read_body
+from ._client_deadline import queue_timeout
 from ._deadlines import Deadlines
 from ._device_policy import CLAMPED_HEADER, DeviceGuard, ThermalPolicy
-from ._errors import DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
+from ._errors import DeadlineUnmeetable, DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
 from ._estimate import Estimator
 from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
@@ -36,7 +38,7 @@ from ._types import ASGIApp, Message, Receive, Scope, Send
 if TYPE_CHECKING:
     from ._metrics import GPUMetrics
 
-_OVERLOAD = (QueueFull, QueueTimeout, DeviceMemoryLow)
+_OVERLOAD = (QueueFull, QueueTimeout, DeviceMemoryLow, DeadlineUnmeetable)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT = 30.0
 #: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
@@ -229,7 +231,11 @@ class GPUAdmissionMiddleware:
             self.sampler.ensure_started()
         clamped_from: int | None = None
         try:
-            check_headers(scope, self.max_body_bytes)
+            raw_timeout = check_headers(scope, self.max_body_bytes)
+            # Seconds this request waits in the queue at most (None: the ledger's max_wait).
+            wait_limit = spec.max_client_wait
+            if raw_timeout is not None:
+                wait_limit = client_wait(raw_timeout, self._wait_cap if wait_limit is None else wait_limit)
             body = await read_body(receive, self.max_body_bytes, self.body_timeout, self._deadlines)
             if body is None:
                 return None  # the client left while sending: nobody to answer, nothing reserved
@@ -267,7 +273,7 @@ class GPUAdmissionMiddleware:
             )
             span.set_attributes(attributes)
         try:
-            reservation, pending = await self._reserve(span, nbytes, spec, receive)
+            reservation, pending = await self._reserve(span, nbytes, spec, receive, wait_limit)
         except GPUAdmissionError as error:
             await self._answer(send, scope, error, spec)
             return None
@@ -302,8 +308,13 @@ class GPUAdmissionMiddleware:
         openai = self.openai_errors if spec.openai_errors is None else spec.openai_errors
         await send_problem(send, error, status=status, instance=scope.get("path", ""), openai=openai)
 
+    @property
+    def _wait_cap(self) -> float:
+        """The ledger's ``max_wait`` (both ledgers have one; a ledger without it: no cap)."""
+        return getattr(self.ledger, "max_wait", math.inf)
+
     async def _reserve(
-        self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive
+        self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive, wait_limit: float | None
     ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
         """Reserve (or queue for) the bytes, then ask the device guard, if any.
 
@@ -316,11 +327,12 @@ class GPUAdmissionMiddleware:
             devices = spec.devices if self.device_guard is None else self._trusted_devices(spec, nbytes)
             reservation = self.ledger.try_reserve(nbytes, devices=devices)
             if reservation is None:
+                timeout = None if wait_limit is None else queue_timeout(self.ledger, nbytes, spec.priority, wait_limit)
                 # Requests whose reserve() task has not run yet are not in the ledger's count: ours covers them.
                 depth = max(self.ledger.statistics().waiting, self._queued)
                 self._queued += 1
                 started = time.perf_counter()
-                reservation, pending = await self._wait(nbytes, devices, spec.priority, receive)
+                reservation, pending = await self._wait(nbytes, devices, spec.priority, receive, timeout)
                 if reservation is None:
                     outcome = otel.DISCONNECTED
                     return None, None
@@ -380,14 +392,19 @@ class GPUAdmissionMiddleware:
             raise error
 
     async def _wait(
-        self, nbytes: int, devices: tuple[str, ...] | None, priority: int, receive: Receive
+        self,
+        nbytes: int,
+        devices: tuple[str, ...] | None,
+        priority: int,
+        receive: Receive,
+        timeout: float | None = None,
     ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
         """Queue for the bytes while listening for a disconnect.
 
         Returns the reservation and the still-pending ``receive()`` (handed on to the endpoint so
         no message is lost), or ``(None, None)`` when the client disconnected first.
         """
-        reserving = asyncio.ensure_future(self.ledger.reserve(nbytes, devices=devices, priority=priority))
+        reserving = asyncio.ensure_future(self.ledger.reserve(nbytes, devices=devices, priority=priority, timeout=timeout))
         listening: asyncio.Future[Message] = asyncio.ensure_future(receive())
         try:
             while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -52,6 +53,11 @@ class RouteSpec:
     chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS
     #: Refusals also carry OpenAI's ``error`` object; None follows the middleware's ``openai_errors``.
     openai_errors: bool | None = None
+    #: Seconds a request of this route waits in the queue at most, and the cap on its
+    #: ``x-request-timeout`` header; None: no deadline unless the header gives one (capped by the
+    #: ledger's ``max_wait``). With a deadline, a request whose predicted wait is longer is
+    #: refused at once (``deadline-unmeetable``) instead of timing out in the queue.
+    max_client_wait: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, str):
@@ -69,6 +75,8 @@ class RouteSpec:
         object.__setattr__(self, "methods", frozenset(method.upper() for method in self.methods))
         if not self.methods or self.methods & BODYLESS_METHODS:
             raise ValueError(f"methods must be methods with a request body (admission reads it), not {sorted(self.methods)}")
+        if self.max_client_wait is not None and not 0 < self.max_client_wait < math.inf:
+            raise ValueError("max_client_wait must be a positive, finite number of seconds (or None)")
         check_priority(self.priority)  # refused when the route is declared, not on its first request
 
 
@@ -85,6 +93,7 @@ def gpu_bound(
     devices: Sequence[str] | str | None = None,
     chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS,
     openai_errors: bool | None = None,
+    max_client_wait: float | None = None,
 ) -> Callable[[F], F]:
     """Tag an endpoint as GPU-bound. Returns the function itself, so decorator order is free."""
     spec = RouteSpec(
@@ -99,6 +108,7 @@ def gpu_bound(
         devices=tuple(devices) if devices is not None and not isinstance(devices, str) else devices,  # type: ignore[arg-type]
         chat_template_tokens=chat_template_tokens,
         openai_errors=openai_errors,
+        max_client_wait=max_client_wait,
     )
 
     def decorate(endpoint: F) -> F:

@@ -20,7 +20,10 @@ Policies, on the same arrival sequence:
 - ``none``: everything runs at once (the bare app);
 - ``semaphore``: ``asyncio.Semaphore(N)`` with N = budget // worst-case request (the article);
 - ``gpu_asgi``: the byte ledger with the bounded bypass (default ``max_bypass``);
-- ``gpu_asgi-fifo``: the same ledger with ``max_bypass=0`` (plain FIFO), for short requests' wait.
+- ``gpu_asgi-fifo``: the same ledger with ``max_bypass=0`` (plain FIFO), for short requests' wait;
+- ``deadlines-off`` / ``deadlines-on``: the ledger again, but each client gives up after its own
+  deadline (uniform in [``--min-deadline``, ``--max-wait``] s); "on" refuses at once a request
+  whose predicted wait exceeds its deadline (``queue_timeout``, what the middleware calls).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_asgi import AnalyticEstimator, Ledger, NeverFits, QueueFull, budget_bytes
+from gpu_asgi import AnalyticEstimator, DeadlineUnmeetable, Ledger, NeverFits, QueueFull, budget_bytes
+from gpu_asgi._client_deadline import queue_timeout
 
 from ._report import table, write_report
 
@@ -60,6 +64,7 @@ class Request:
     prompt_tokens: int
     max_new_tokens: int
     new_tokens: int  # what it actually generates (EOS comes before max_new_tokens)
+    deadline: float = math.inf  # seconds this client waits for admission (deadlines-* policies)
     estimate: int = 0
     actual: int = 0
     admitted: float | None = None
@@ -124,8 +129,16 @@ def workload(n: int, seed: int, estimator: AnalyticEstimator, load: float, budge
     return requests
 
 
+def with_deadlines(template: list[Request], seed: int, low: float, high: float) -> list[Request]:
+    """The same requests, each with a client deadline uniform in [low, high] seconds."""
+    rng = random.Random(seed)
+    return [Request(r.arrival, r.prompt_tokens, r.max_new_tokens, r.new_tokens, rng.uniform(low, high), r.estimate, r.actual)
+            for r in template]
+
+
 def run_policy(policy: str, template: list[Request], budget: int, worst: int, max_queue: int, max_wait: float) -> dict[str, Any]:
-    requests = [Request(r.arrival, r.prompt_tokens, r.max_new_tokens, r.new_tokens, r.estimate, r.actual) for r in template]
+    requests = [Request(r.arrival, r.prompt_tokens, r.max_new_tokens, r.new_tokens, r.deadline, r.estimate, r.actual)
+                for r in template]
     loop = asyncio.new_event_loop()
     sim = Simulation(budget)
     ledger = Ledger(budget, max_queue=max_queue, max_wait=1e9, max_bypass=0 if policy == "gpu_asgi-fifo" else 8,
@@ -173,6 +186,16 @@ def run_policy(policy: str, template: list[Request], budget: int, worst: int, ma
                 waiting[0] -= 1
             start(r, semaphore.release)
             return
+        if policy == "deadlines-on":  # the middleware's path: at once if it fits, else check the deadline
+            reservation = ledger.try_reserve(r.estimate)
+            if reservation is not None:
+                start(r, reservation.release)
+                return
+            try:
+                queue_timeout(ledger, r.estimate, 0, r.deadline)
+            except DeadlineUnmeetable:
+                r.outcome = "unmeetable"
+                return
         try:
             waiting[0] += 1
             reservation = await ledger.reserve(r.estimate)
@@ -186,13 +209,13 @@ def run_policy(policy: str, template: list[Request], budget: int, worst: int, ma
     tasks: dict[int, asyncio.Task[None]] = {}
 
     def held() -> int:
-        return ledger.statistics().reserved_bytes if policy.startswith("gpu_asgi") else sim.allocated
+        return ledger.statistics().reserved_bytes if policy.startswith(("gpu_asgi", "deadlines")) else sim.allocated
 
     def arrive(index: int, r: Request) -> None:
         sim.sample(waiting[0], held())
         tasks[index] = loop.create_task(admit(r))
         spin()
-        sim.at(r.arrival + max_wait, lambda: timeout(index, r))
+        sim.at(r.arrival + min(max_wait, r.deadline), lambda: timeout(index, r))
 
     def timeout(index: int, r: Request) -> None:
         if r.admitted is None and r.outcome == "pending":
@@ -218,7 +241,7 @@ def summarize(policy: str, requests: list[Request], sim: Simulation, slots: int)
     span = max(r.finished for r in done) - min(r.arrival for r in requests)
     latency = sorted(r.finished - r.arrival for r in done)  # type: ignore[operator]
     short_waits = sorted(r.admitted - r.arrival for r in done if r.prompt_tokens <= SHORT_PROMPT)  # type: ignore[operator]
-    count = {o: sum(r.outcome == o for r in requests) for o in ("ok", "oom", "rejected", "timeout")}
+    count = {o: sum(r.outcome == o for r in requests) for o in ("ok", "oom", "rejected", "timeout", "unmeetable")}
     return {
         "policy": policy,
         **count,
@@ -245,6 +268,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--max-queue", type=int, default=256)
     parser.add_argument("--max-wait", type=float, default=30.0)
+    parser.add_argument("--min-deadline", type=float, default=2.0, help="shortest client deadline (deadlines-* policies)")
     args = parser.parse_args()
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
@@ -252,11 +276,13 @@ def main() -> None:
     template = workload(args.requests, args.seed, estimator, args.load, budget)
     results = [run_policy(p, template, budget, worst, args.max_queue, args.max_wait)
                for p in ("none", "semaphore", "gpu_asgi", "gpu_asgi-fifo")]
-    rows = [[r["policy"], r["ok"], r["oom"], r["rejected"], r["timeout"], r["goodput_rps"], r["goodput_tokens_per_s"],
+    clients = with_deadlines(template, args.seed, args.min_deadline, args.max_wait)
+    results += [run_policy(p, clients, budget, worst, args.max_queue, args.max_wait) for p in ("deadlines-off", "deadlines-on")]
+    rows = [[r["policy"], r["ok"], r["oom"], r["rejected"], r["unmeetable"], r["timeout"], r["goodput_rps"], r["goodput_tokens_per_s"],
              r["p50_latency_s"], r["p99_latency_s"], r["short_p99_wait_s"],
              "-" if r["budget_use_while_queued"] is None else f"{r['budget_use_while_queued']:.1%}"] for r in results]
     print(f"budget {budget / GiB:.2f} GiB, worst-case request {worst / GiB:.3f} GiB, offered load {args.load}x")
-    print(table(rows, ["policy", "ok", "OOM", "rejected", "timed out", "goodput req/s", "tokens/s",
+    print(table(rows, ["policy", "ok", "OOM", "rejected", "refused: deadline", "timed out", "goodput req/s", "tokens/s",
                        "p50 s", "p99 s", "short p99 wait s", "budget use while queued"]))
     print("report:", write_report("overload", {"args": vars(args), "budget_bytes": budget, "worst_case_bytes": worst,
                                                "results": results}))

@@ -1,0 +1,234 @@
+"""Deadline-aware admission: ``x-request-timeout`` and ``max_client_wait`` (docs/admission.md,
+"Deadlines"). A request that would queue longer than it is willing to wait is refused at once;
+otherwise it queues with its own, shorter timeout. Both ledgers decide alike."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gpu_asgi import (
+    BudgetLedger,
+    DeadlineUnmeetable,
+    GPUAdmissionMiddleware,
+    GPUMetrics,
+    Ledger,
+    Reservation,
+    RouteSpec,
+    gpu_bound,
+)
+
+from . import _redis
+from ._asgi import client, wait_until
+from ._redis import REDIS_SERVER, RedisServer
+
+redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
+
+CAPACITY = 100_000
+NEED = 50_000  # what every request here asks for
+
+
+class Fixed:
+    """An estimator that asks for ``NEED`` bytes whatever the request."""
+
+    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
+        return NEED
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def recording(ledger: BudgetLedger) -> list[float | None]:
+    """Record the ``timeout`` of each ``reserve`` the middleware makes on ``ledger``."""
+    timeouts: list[float | None] = []
+    reserve = ledger.reserve
+
+    async def spy(nbytes: int, **options: Any) -> Reservation:
+        timeouts.append(options.get("timeout"))
+        return await reserve(nbytes, **options)
+
+    ledger.reserve = spy  # type: ignore[method-assign]
+    return timeouts
+
+
+def app_for(ledger: BudgetLedger, reject_status: int = 503, metrics: GPUMetrics | None = None, **route: Any) -> Starlette:
+    @gpu_bound(**route)
+    async def generate(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=Fixed(), reject_status=reject_status, metrics=metrics)
+    return app
+
+
+async def post(app: Starlette, timeout: str | bytes | None = None) -> httpx.Response:
+    headers = {} if timeout is None else {"x-request-timeout": timeout}
+    async with client(app) as http:
+        return await http.post("/generate", json={"prompt": "hi"}, headers=headers)
+
+
+# -- the header ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "0.0", "-1", "nan", "inf", "soon", "", "1e999", " 5", "1_0", "١".encode()])
+async def test_an_invalid_header_is_a_400_naming_it(value: str | bytes) -> None:
+    ledger = Ledger(CAPACITY)
+    response = await post(app_for(ledger), value)
+    assert response.status_code == 400
+    problem = response.json()
+    assert problem["type"].endswith(":invalid-header") and "x-request-timeout" in problem["detail"]
+    assert problem["header"] == "x-request-timeout"
+    assert ledger.statistics().admitted_total == 0
+
+
+@pytest.mark.parametrize("value", ["0.5", "3", "2.", ".25"])
+async def test_a_valid_header_admits_at_once_when_the_bytes_fit(value: str) -> None:
+    ledger = Ledger(CAPACITY)
+    timeouts = recording(ledger)
+    assert (await post(app_for(ledger), value)).status_code == 200
+    assert timeouts == []  # admitted by try_reserve: the queue path never ran
+
+
+async def full_ledger_with_a_drain_rate() -> tuple[Ledger, Reservation]:
+    """An in-process ledger that has seen 10,000 bytes per busy second, now full."""
+    clock = FakeClock()
+    ledger = Ledger(CAPACITY, clock=clock, max_wait=30)
+    for _ in range(10):
+        reservation = await ledger.reserve(10_000)
+        clock.now += 1
+        reservation.release()
+    return ledger, await ledger.reserve(CAPACITY)  # NEED bytes now wait 50,000 / 10,000 = 5 s
+
+
+@pytest.mark.parametrize(
+    ("header", "route", "expected"),
+    [
+        ("12", {}, 12.0),  # under the ledger's max_wait (30)
+        ("100", {}, 30.0),  # capped by max_wait
+        ("12", {"max_client_wait": 8.0}, 8.0),  # capped by the route
+        (None, {"max_client_wait": 8.0}, 8.0),  # the route's own deadline
+        (None, {}, None),  # no deadline: the ledger's max_wait, as before
+    ],
+)
+async def test_a_queued_request_waits_with_its_own_timeout(
+    header: str | None, route: dict[str, Any], expected: float | None
+) -> None:
+    ledger, holder = await full_ledger_with_a_drain_rate()
+    timeouts = recording(ledger)
+    request = asyncio.ensure_future(post(app_for(ledger, **route), header))
+    await wait_until(lambda: ledger.statistics().waiting == 1)
+    holder.release()
+    assert (await request).status_code == 200
+    assert timeouts == [expected]
+
+
+# -- the decision ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reject_status", [503, 429])
+async def test_a_predicted_wait_over_the_deadline_is_refused_at_once(reject_status: int) -> None:
+    ledger, holder = await full_ledger_with_a_drain_rate()
+    timeouts = recording(ledger)
+    response = await post(app_for(ledger, reject_status=reject_status), "2")
+    assert response.status_code == reject_status
+    assert response.json()["type"].endswith(":deadline-unmeetable")
+    assert response.headers["retry-after"] == "5"  # the same model as any other Retry-After
+    assert timeouts == [] and ledger.statistics().waiting == 0  # never queued
+    assert ledger.statistics().rejected_total == {}  # the middleware refused, not the ledger
+    holder.release()
+
+
+async def test_the_route_deadline_refuses_without_a_header() -> None:
+    ledger, holder = await full_ledger_with_a_drain_rate()
+    response = await post(app_for(ledger, max_client_wait=2.0))
+    assert response.status_code == 503 and response.json()["type"].endswith(":deadline-unmeetable")
+    holder.release()
+
+
+async def test_only_the_max_wait_fallback_never_refuses() -> None:
+    """Before any release the hint is max_wait (30 s), not a prediction: the request queues."""
+    ledger = Ledger(CAPACITY, max_wait=30)
+    holder = await ledger.reserve(CAPACITY)
+    assert ledger.retry_after(NEED) == 30
+    timeouts = recording(ledger)
+    request = asyncio.ensure_future(post(app_for(ledger), "2"))
+    await wait_until(lambda: ledger.statistics().waiting == 1)
+    holder.release()
+    assert (await request).status_code == 200 and timeouts == [2.0]
+
+
+async def test_both_refusals_are_counted_by_reason() -> None:
+    ledger, holder = await full_ledger_with_a_drain_rate()
+    registry = CollectorRegistry()
+    app = app_for(ledger, metrics=GPUMetrics(ledger, registry=registry, multiprocess=False))
+    assert (await post(app, "2")).status_code == 503
+    assert (await post(app, "soon")).status_code == 400
+    for reason in ("deadline-unmeetable", "invalid-header"):
+        assert registry.get_sample_value("gpu_asgi_rejected_total", {"reason": reason}) == 1
+    holder.release()
+
+
+def test_max_client_wait_must_be_positive_and_finite() -> None:
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_client_wait"):
+            RouteSpec(max_client_wait=bad)
+    assert DeadlineUnmeetable.status == 503
+
+
+# -- the same decision with the Redis ledger ----------------------------------------------------------
+
+
+@pytest.fixture
+async def redis_ledger(redis_server: RedisServer, namespace: str) -> AsyncIterator[Callable[..., BudgetLedger]]:
+    from gpu_asgi.redis_ledger import RedisLedger
+
+    made: list[RedisLedger] = []
+
+    def make(**options: Any) -> RedisLedger:
+        made.append(RedisLedger(redis_server.url, CAPACITY, namespace=namespace, **options))
+        return made[-1]
+
+    yield make
+    for ledger in made:
+        await ledger.aclose()
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
+async def test_the_redis_ledger_decides_the_same(redis_ledger: Callable[..., Any]) -> None:
+    ledger = redis_ledger(max_wait=1000)
+    # 10,000 bytes released within well under a second of busy time: the rate is at most 10,000
+    # bytes per second (busy time counts as at least 1 s), so NEED bytes behind a full budget are
+    # predicted to wait 5 s or more (at most 600, the clamp).
+    (await ledger.reserve(10_000)).release()
+    holder = await ledger.reserve(CAPACITY)
+    stats = await ledger.refresh_statistics()
+    assert stats.release_rate_bytes_per_second > 0 and stats.reserved_bytes == CAPACITY
+    assert 5 <= ledger.retry_after(NEED) <= 600
+
+    refused = await post(app_for(ledger), "2")
+    assert refused.status_code == 503 and refused.json()["type"].endswith(":deadline-unmeetable")
+    assert int(refused.headers["retry-after"]) >= 5
+
+    timeouts = recording(ledger)
+    request = asyncio.ensure_future(post(app_for(ledger), "900"))  # over any prediction: it queues
+    await wait_until(lambda: len(timeouts) == 1)
+    await asyncio.sleep(0.2)
+    assert not request.done()
+    holder.release()
+    assert (await asyncio.wait_for(request, 30)).status_code == 200
+    assert timeouts == [900.0]
