@@ -8,6 +8,7 @@ middleware core runs with starlette alone.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,20 @@ class Estimator(Protocol):
         two apart ignores it.
         """
         ...
+
+
+def check_estimator(estimator: Estimator) -> None:
+    """Refuse, where the estimator is declared, one whose ``estimate`` cannot take ``sampling=``:
+    the middleware passes it on every request, so it would otherwise fail on the first one."""
+    try:
+        parameters = inspect.signature(estimator.estimate).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        raise TypeError(f"{estimator!r} is not an Estimator: it needs an estimate() method") from None
+    if not any(p.name == "sampling" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        raise TypeError(
+            f"{type(estimator).__name__}.estimate() must accept the keyword argument sampling= "
+            "(True, False or None: what the request asked for; ignore it if your estimate does not depend on it)"
+        )
 
 
 def _check(prompt_tokens: int, max_new_tokens: int, batch: int) -> None:

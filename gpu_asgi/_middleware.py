@@ -26,7 +26,7 @@ from ._client_deadline import queue_timeout
 from ._deadlines import Deadlines
 from ._device_policy import CLAMPED_HEADER, DeviceGuard, ThermalPolicy
 from ._errors import DeadlineUnmeetable, DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
-from ._estimate import Estimator
+from ._estimate import Estimator, check_estimator
 from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
 from ._responder import Responder, caused_by_answer
@@ -136,6 +136,7 @@ class GPUAdmissionMiddleware:
             raise ValueError("thermal and device_guard act on device readings: pass sampler=DeviceSampler(probe) too")
         self.app = app
         self.ledger = ledger
+        check_estimator(estimator)
         self.estimator = estimator
         self.token_counter: TokenCounter = HeuristicTokenCounter() if token_counter is None else token_counter
         self.max_body_bytes = max_body_bytes

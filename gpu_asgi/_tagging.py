@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ._estimate import Estimator
+from ._estimate import Estimator, check_estimator
 from ._ledger import check_priority
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
@@ -60,6 +60,8 @@ class RouteSpec:
     max_client_wait: float | None = None
 
     def __post_init__(self) -> None:
+        if self.estimator is not None:
+            check_estimator(self.estimator)
         if isinstance(self.prompt, str):
             object.__setattr__(self, "prompt", (self.prompt,))
         if isinstance(self.max_tokens_fields, str):

@@ -40,7 +40,7 @@ NEED = 50_000  # what every request here asks for
 class Fixed:
     """An estimator that asks for ``NEED`` bytes whatever the request."""
 
-    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
+    def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None) -> int:
         return NEED
 
 

@@ -443,3 +443,24 @@ async def test_the_middleware_estimates_a_greedy_request_as_greedy() -> None:
         {"bytes": greedy, "sampling": False},
         {"bytes": sampled, "sampling": True},
     ]
+
+
+def test_an_estimator_without_the_sampling_keyword_is_refused_where_it_is_declared() -> None:
+    from gpu_asgi import GPUAdmissionMiddleware, Ledger, RouteSpec
+
+    class Old:
+        def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
+            return 1
+
+    class Flexible:
+        def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, **options: Any) -> int:
+            return 1
+
+    with pytest.raises(TypeError, match="sampling="):
+        GPUAdmissionMiddleware(lambda *a: None, ledger=Ledger({"cpu": 10}), estimator=Old())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sampling="):
+        RouteSpec(estimator=Old())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not an Estimator"):
+        RouteSpec(estimator=object())  # type: ignore[arg-type]
+    RouteSpec(estimator=Flexible())
+    RouteSpec(estimator=LinearEstimator(bytes_per_token=1))
