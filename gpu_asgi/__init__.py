@@ -44,9 +44,11 @@ from ._probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, 
 from ._sampler import DeviceSampler, DeviceSnapshot
 from ._tagging import RouteSpec, gpu_bound
 from ._telemetry import Phase, gpu_phase
+from ._tenancy import DEFAULT_TENANT, TenantPolicy, TenantStatistics
 from ._tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 
 __all__ = [
+    "DEFAULT_TENANT",
     "MAX_PRIORITY",
     "MIN_PRIORITY",
     "Admission",
@@ -89,6 +91,8 @@ __all__ = [
     "QueueTimeout",
     "Reservation",
     "RouteSpec",
+    "TenantPolicy",
+    "TenantStatistics",
     "ThermalPolicy",
     "TokenCounter",
     "TorchProbe",

@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._drain import DrainRate, retry_after
 from ._errors import NeverFits, QueueFull, QueueTimeout
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
 DEFAULT_DEVICE = "cuda:0"
 DEFAULT_MAX_QUEUE = 256
@@ -54,6 +55,8 @@ class LedgerStatistics:
     admitted_total: int
     rejected_total: Mapping[str, int] = field(default_factory=dict)
     release_rate_bytes_per_second: float = 0.0
+    #: Tenants with bytes held or waiting, and every configured one.
+    tenants: tuple[TenantStatistics, ...] = ()
 
     @property
     def in_flight(self) -> int:
@@ -79,13 +82,23 @@ class BudgetLedger(Protocol):
     @property
     def devices(self) -> tuple[str, ...]: ...
 
-    def try_reserve(self, nbytes: int, *, devices: Sequence[str] | None = None) -> Reservation | None: ...
+    def try_reserve(
+        self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Reservation | None: ...
 
     async def reserve(
-        self, nbytes: int, *, devices: Sequence[str] | None = None, priority: int = 0, timeout: float | None = None
+        self,
+        nbytes: int,
+        *,
+        devices: Sequence[str] | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Reservation: ...
 
-    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float: ...
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float: ...
+
+    def tenant_policy(self, tenant: str) -> TenantPolicy: ...
 
     def statistics(self) -> LedgerStatistics: ...
 
@@ -95,11 +108,14 @@ class BudgetLedger(Protocol):
 class Reservation:
     """Bytes held on one device. Release is idempotent; the bytes return exactly once."""
 
-    __slots__ = ("_held", "_ledger", "_released", "device", "id", "requested_bytes", "waited")
+    __slots__ = ("_held", "_ledger", "_released", "device", "id", "requested_bytes", "tenant", "waited")
 
-    def __init__(self, ledger: BudgetLedger, id: str, device: str, nbytes: int, waited: float) -> None:
+    def __init__(
+        self, ledger: BudgetLedger, id: str, device: str, nbytes: int, waited: float, tenant: str = DEFAULT_TENANT
+    ) -> None:
         self.id = id
         self.device = device
+        self.tenant = tenant
         self.requested_bytes = nbytes
         #: Seconds spent in the queue before admission.
         self.waited = waited
@@ -182,10 +198,13 @@ class _Device:
 
 
 class _Waiter:
-    __slots__ = ("devices", "future", "lane", "nbytes", "passed", "priority", "seq", "since")
+    __slots__ = ("devices", "future", "lane", "nbytes", "passed", "priority", "seq", "since", "tenant")
 
-    def __init__(self, seq: int, nbytes: int, devices: tuple[_Device, ...], priority: int, since: float) -> None:
+    def __init__(
+        self, seq: int, nbytes: int, devices: tuple[_Device, ...], priority: int, since: float, tenant: str
+    ) -> None:
         self.seq = seq
+        self.tenant = tenant
         self.nbytes = nbytes
         self.devices = devices
         self.priority = priority
@@ -212,6 +231,8 @@ class Ledger:
         max_queue: int = DEFAULT_MAX_QUEUE,
         max_wait: float = DEFAULT_MAX_WAIT,
         max_bypass: int = DEFAULT_MAX_BYPASS,
+        tenants: Mapping[str, TenantPolicy] | None = None,
+        default_tenant_policy: TenantPolicy = DEFAULT_POLICY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         capacities = {DEFAULT_DEVICE: capacity} if isinstance(capacity, int) else dict(capacity)
@@ -225,6 +246,9 @@ class Ledger:
         self.max_queue = max_queue
         self.max_wait = max_wait
         self.max_bypass = max_bypass
+        #: Weights and quotas of the tenants named in advance; any other tenant gets the default.
+        self.tenants = dict(tenants or {})
+        self.default_tenant_policy = default_tenant_policy
         self._clock = clock
         #: lane key -> seq -> waiter, FIFO. Only lane heads are ever examined.
         self._lanes: dict[tuple[int, int, tuple[int, ...]], OrderedDict[int, _Waiter]] = {}
@@ -250,16 +274,21 @@ class Ledger:
     def capacity(self, device: str = DEFAULT_DEVICE) -> int:
         return self._devices[device].capacity
 
+    def tenant_policy(self, tenant: str) -> TenantPolicy:
+        return self.tenants.get(tenant, self.default_tenant_policy)
+
     # -- admission ----------------------------------------------------------------------
 
-    def try_reserve(self, nbytes: int, *, devices: Sequence[str] | None = None) -> Reservation | None:
+    def try_reserve(
+        self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Reservation | None:
         """Reserve at once if nobody is queued and the bytes fit; never waits, never queues."""
         allowed = self._allowed(devices, nbytes)
         if self._waiting:
             return None
         self._bind()
         device = _place(nbytes, allowed)
-        return None if device is None else self._grant(device, nbytes, 0.0)
+        return None if device is None else self._grant(device, nbytes, 0.0, tenant)
 
     async def reserve(
         self,
@@ -268,8 +297,9 @@ class Ledger:
         devices: Sequence[str] | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Reservation:
-        """Reserve ``nbytes`` on one of ``devices``, waiting in the queue if they do not fit yet.
+        """Reserve ``nbytes`` for ``tenant`` on one of ``devices``, waiting in the queue if they do not fit yet.
 
         Raises :class:`NeverFits` at once when no allowed device could ever hold the bytes,
         :class:`QueueFull` when the queue is at ``max_queue``, and :class:`QueueTimeout` after
@@ -283,14 +313,14 @@ class Ledger:
         if not self._waiting:
             device = _place(nbytes, allowed)
             if device is not None:
-                return self._grant(device, nbytes, 0.0)
+                return self._grant(device, nbytes, 0.0, tenant)
         if self._waiting >= self.max_queue:
             self._count_rejection(QueueFull.reason)
             raise QueueFull(
                 f"{self._waiting} requests are already waiting for GPU memory.",
                 retry_after=self.retry_after(nbytes, priority=priority),
             )
-        waiter = _Waiter(next(self._ids), nbytes, allowed, priority, self._clock())
+        waiter = _Waiter(next(self._ids), nbytes, allowed, priority, self._clock(), tenant)
         self._lanes.setdefault(waiter.lane, OrderedDict())[waiter.seq] = waiter
         self._waiting += 1
         self._waiting_bytes += nbytes
@@ -356,13 +386,13 @@ class Ledger:
             )
         return allowed
 
-    def _grant(self, device: _Device, nbytes: int, waited: float) -> Reservation:
+    def _grant(self, device: _Device, nbytes: int, waited: float, tenant: str) -> Reservation:
         self._drain.advance(self._clock(), busy=True)
         device.reserved += nbytes
         device.in_flight += 1
         self._reserved += nbytes
         self._admitted += 1
-        return Reservation(self, f"r{next(self._ids)}", device.name, nbytes, waited)
+        return Reservation(self, f"r{next(self._ids)}", device.name, nbytes, waited, tenant)
 
     def _dispatch(self) -> None:
         """Admit lane heads while one can be admitted (see the module docstring)."""
@@ -379,7 +409,7 @@ class Ledger:
                 if other.seq < waiter.seq and device in other.devices:
                     other.passed += 1
             self._dequeue(waiter)
-            waiter.future.set_result(self._grant(device, waiter.nbytes, self._clock() - waiter.since))
+            waiter.future.set_result(self._grant(device, waiter.nbytes, self._clock() - waiter.since, waiter.tenant))
 
     def _heads(self) -> list[_Waiter]:
         """Each lane's first live waiter, by priority then arrival; cancelled ones are dropped."""
@@ -433,8 +463,8 @@ class Ledger:
         """Bytes given back per busy second (an average over about ``RATE_WINDOW`` busy seconds)."""
         return self._drain.rate
 
-    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float:
-        """Seconds until a request of ``nbytes`` at ``priority`` arriving now would likely be admitted.
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float:
+        """Seconds until a request of ``tenant`` for ``nbytes`` at ``priority`` arriving now would likely be admitted.
 
         ``(bytes queued ahead + nbytes - free bytes) / drain rate``, within [1 s, 600 s]. Ahead
         are the waiters at its priority or higher in its size class or a smaller one (a larger

@@ -44,6 +44,7 @@ from ._ledger import (
 )
 from ._redis_scripts import Beat, LedgerScripts, RedisDown, RedisSlow
 from ._redis_upkeep import RETRIES, Upkeep, cancels
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 
 __all__ = ["RedisLedger"]
 
@@ -85,6 +86,8 @@ class RedisLedger:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         on_unavailable: Literal["fail-closed", "local"] = "fail-closed",
         local_share: float | None = None,
+        tenants: Mapping[str, TenantPolicy] | None = None,
+        default_tenant_policy: TenantPolicy = DEFAULT_POLICY,
     ) -> None:
         capacities = {DEFAULT_DEVICE: capacity} if isinstance(capacity, int) else dict(capacity)
         if not capacities or min(capacities.values()) <= 0:
@@ -114,6 +117,9 @@ class RedisLedger:
         self.redis_timeout = redis_timeout
         self.on_unavailable = on_unavailable
         self.local_share = local_share
+        #: As the in-process ledger's: every process sharing the namespace must name the same tenants.
+        self.tenants = dict(tenants or {})
+        self.default_tenant_policy = default_tenant_policy
         self._owns_client = isinstance(redis, str)
         if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
             # A call waits for a free connection as long as its own timeout allows (timeout=None
@@ -148,7 +154,14 @@ class RedisLedger:
         self._local: Ledger | None = None
         if on_unavailable == "local" and local_share is not None:
             share = {name: max(1, int(nbytes * local_share)) for name, nbytes in capacities.items()}
-            self._local = Ledger(share, max_queue=max_queue, max_wait=max_wait, max_bypass=max_bypass)
+            self._local = Ledger(
+                share,
+                max_queue=max_queue,
+                max_wait=max_wait,
+                max_bypass=max_bypass,
+                tenants=self.tenants,
+                default_tenant_policy=default_tenant_policy,
+            )
         self._inner: dict[str, Reservation] = {}  # the local-ledger reservation behind a fallback one
         self._unavailable_total = 0  # rejections that never reached Redis, so counted here
         self._statistics: tuple[Beat, int, LedgerStatistics] | None = None
@@ -175,7 +188,12 @@ class RedisLedger:
 
     # -- admission ----------------------------------------------------------------------
 
-    def try_reserve(self, nbytes: int, *, devices: Sequence[str] | None = None) -> Reservation | None:
+    def tenant_policy(self, tenant: str) -> TenantPolicy:
+        return self.tenants.get(tenant, self.default_tenant_policy)
+
+    def try_reserve(
+        self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Reservation | None:
         """Always None: reserving needs a round trip to Redis, so callers ``await reserve()``."""
         return None
 
@@ -186,8 +204,9 @@ class RedisLedger:
         devices: Sequence[str] | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Reservation:
-        """Reserve ``nbytes`` on one of ``devices`` from the shared budget, queueing if needed.
+        """Reserve ``nbytes`` for ``tenant`` on one of ``devices`` from the shared budget, queueing if needed.
 
         As :meth:`Ledger.reserve <gpu_asgi.Ledger.reserve>`, plus :class:`~gpu_asgi.LedgerUnavailable`
         when Redis fails and ``on_unavailable`` is ``"fail-closed"``. Never waits past ``timeout``
@@ -201,7 +220,7 @@ class RedisLedger:
         wait = self.max_wait if timeout is None else timeout
         start, deadline, cancelled = loop.time(), loop.time() + min(wait, MAX_TIMEOUT), cancels()
         if upkeep.skipping():
-            return await self._fallback(nbytes, names, priority, deadline)
+            return await self._fallback(nbytes, names, priority, deadline, tenant)
         rid = upkeep.new_id()
         wake = upkeep.waiters[rid] = asyncio.Event()
         settled, reason = False, ""
@@ -228,7 +247,7 @@ class RedisLedger:
                     granted = upkeep.grants.pop(rid, None)  # the wake-up names the device: no round trip
                     state, detail = ("granted", granted) if granted else await self._ask(self._scripts.claim(rid))
             settled = True
-            return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start))
+            return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start, tenant))
         except TimeoutError:
             reason = QueueTimeout.reason
             raise QueueTimeout(
@@ -242,7 +261,7 @@ class RedisLedger:
             upkeep.grants.pop(rid, None)
             if not settled:  # leave the queue, and give back a lease granted as we gave up
                 upkeep.leave(rid, reason)
-        return await self._fallback(nbytes, names, priority, deadline)
+        return await self._fallback(nbytes, names, priority, deadline, tenant)
 
     async def _ask(self, call: Awaitable[tuple[str, str]]) -> tuple[str, str]:
         """A script's answer; ``("waiting", "")`` when it was only slow and Redis answers the probe
@@ -256,7 +275,9 @@ class RedisLedger:
         self._upkeep.came_up()
         return answer
 
-    async def _fallback(self, nbytes: int, names: tuple[str, ...], priority: int, deadline: float) -> Reservation:
+    async def _fallback(
+        self, nbytes: int, names: tuple[str, ...], priority: int, deadline: float, tenant: str
+    ) -> Reservation:
         local = self._local
         if local is None:
             self._unavailable_total += 1
@@ -266,7 +287,7 @@ class RedisLedger:
             )
         remaining = max(0.0, deadline - asyncio.get_running_loop().time())
         try:
-            inner = await local.reserve(nbytes, devices=names, priority=priority, timeout=remaining)
+            inner = await local.reserve(nbytes, devices=names, priority=priority, timeout=remaining, tenant=tenant)
         except NeverFits as exc:
             self._unavailable_total += 1
             raise LedgerUnavailable(
@@ -276,7 +297,7 @@ class RedisLedger:
             ) from None
         rid = self._upkeep.new_id()
         self._inner[rid] = inner
-        return self._hold(Reservation(self, rid, inner.device, nbytes, inner.waited))
+        return self._hold(Reservation(self, rid, inner.device, nbytes, inner.waited, tenant))
 
     def _allowed(self, devices: Sequence[str] | None, nbytes: int) -> tuple[str, ...]:
         if nbytes < 0:
@@ -350,7 +371,7 @@ class RedisLedger:
 
     # -- rates and statistics -------------------------------------------------------------
 
-    def retry_after(self, nbytes: int = 0, *, priority: int = 0) -> float:
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float:
         """As the in-process ledger's, from the shared release rate of the last snapshot."""
         return self._upkeep.beat.retry_after(self._capacities, nbytes, self.max_wait, priority)
 

@@ -1,0 +1,49 @@
+"""Tenants as the ledgers see them: whom a reservation is for, with an optional weight and quota.
+
+How a request's tenant is found (a header, the OpenAI ``user`` field, ...) is the middleware's
+business; the ledgers only see the key and the policy configured for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: The tenant of a request that names none.
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """A tenant's ``weight`` in the fair share, and the most bytes it may hold at once (``None``: no quota)."""
+
+    weight: float = 1.0
+    quota_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.weight, bool) or not isinstance(self.weight, int | float):
+            raise TypeError(f"weight must be a number, got {self.weight!r}")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError(f"weight must be a positive finite number, got {self.weight!r}")
+        quota = self.quota_bytes
+        if quota is not None and (isinstance(quota, bool) or not isinstance(quota, int) or quota <= 0):
+            raise ValueError(f"quota_bytes must be a positive integer or None, got {quota!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStatistics:
+    """One tenant's part of a ledger snapshot."""
+
+    name: str
+    weight: float
+    quota_bytes: int | None
+    reserved_bytes: int
+    in_flight: int
+    waiting: int
+    waiting_bytes: int
+    #: Bytes x seconds held so far: the work the fair share divides by weight.
+    served_byte_seconds: float
+
+
+#: The policy of a tenant nobody named in advance: weight 1, no quota.
+DEFAULT_POLICY = TenantPolicy()
