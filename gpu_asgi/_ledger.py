@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from ._drain import DrainRate, retry_after
 from ._errors import NeverFits, QueueFull, QueueTimeout
@@ -169,10 +169,34 @@ def check_priority(priority: int) -> int:
     return priority
 
 
-def bytes_ahead(lanes: Iterable[tuple[tuple[int, int, Any], int]], nbytes: int, priority: int) -> int:
-    """Queued bytes a new request would wait behind: ``lanes`` are ((priority, size class, _), bytes)."""
+def bytes_ahead(lanes: Iterable[tuple[int, int, int, int]], nbytes: int, priority: int, max_bypass: int) -> float:
+    """Queued bytes likely admitted before a request of ``nbytes`` at ``priority`` arriving now.
+
+    ``lanes`` are (priority, size class, waiters, bytes). Lanes at a lower priority wait behind
+    it. Those of its size class or a smaller one are ahead of it. A larger lane's head may be
+    passed, but only ``max_bypass`` times before it claims its device: for every
+    ``max_bypass + 1`` admissions ahead of the request, one waiter of each larger lane goes first
+    (counted until that adds no more, at the lane's mean size).
+    """
     mine = size_class(nbytes)
-    return sum(n for (p, c, _), n in lanes if p >= priority and c <= mine)
+    ahead_bytes = ahead_count = 0
+    larger: list[tuple[int, float]] = []  # (waiters, mean bytes)
+    for p, c, waiters, nb in lanes:
+        if p < priority or waiters <= 0:
+            continue
+        if c <= mine:
+            ahead_bytes += nb
+            ahead_count += waiters
+        else:
+            larger.append((waiters, nb / waiters))
+    admissions, first = ahead_count, [0] * len(larger)
+    while True:  # each larger waiter that goes first is one more admission, passing the others
+        first = [min(waiters, admissions // (max_bypass + 1)) for waiters, _ in larger]
+        total = ahead_count + sum(first)
+        if total == admissions:
+            break
+        admissions = total
+    return ahead_bytes + sum(n * mean for n, (_, mean) in zip(first, larger, strict=True))
 
 
 def size_class(nbytes: int) -> int:
@@ -467,13 +491,15 @@ class Ledger:
         """Seconds until a request of ``tenant`` for ``nbytes`` at ``priority`` arriving now would likely be admitted.
 
         ``(bytes queued ahead + nbytes - free bytes) / drain rate``, within [1 s, 600 s]. Ahead
-        are the waiters at its priority or higher in its size class or a smaller one (a larger
-        waiter that does not fit is passed). With no release observed yet, ``max_wait``, within
+        are the waiters at its priority or higher likely to be admitted first (``bytes_ahead``:
+        its size class or smaller, and the larger heads the bounded bypass lets claim). With no
+        release observed yet, ``max_wait``, within
         the same range.
         """
-        ahead = bytes_ahead(self._lane_bytes.items(), nbytes, priority)
+        lanes = [(key[0], key[1], len(self._lanes[key]), n) for key, n in self._lane_bytes.items()]
+        ahead = bytes_ahead(lanes, nbytes, priority, self.max_bypass)
         free = sum(device.free for device in self._all)
-        return retry_after(max(0, ahead + nbytes - free), self.release_rate(), self.max_wait)
+        return retry_after(max(0, round(ahead) + nbytes - free), self.release_rate(), self.max_wait)
 
     def statistics(self) -> LedgerStatistics:
         return LedgerStatistics(

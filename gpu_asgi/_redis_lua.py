@@ -11,7 +11,7 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
   sorted set ``queue:<lane>``, ticket id → sequence (FIFO)
 - ``reserved`` / ``inflight`` hashes, device → bytes held / leases held
 - ``counts``   hash: ``seq``, ``admitted``, ``waiting_bytes``, ``rejected:<reason>``, and
-  ``bytes:<lane>``, the bytes queued in each lane (for ``Retry-After``)
+  ``bytes:<lane>`` / ``n:<lane>``, the bytes and waiters queued in each lane (for ``Retry-After``)
 - ``released`` hash: the drain rate's decayed ``bytes`` and busy ``seconds``, ``last`` (ms), ``busy``
 - ``boot``     hash: ``id`` of this Redis dataset (set when a script finds none), ``warm`` until when
   grants pause after a data loss
@@ -139,8 +139,10 @@ local function drop_ticket(id)
   redis.call('ZREM', K_QUEUE, id)
   redis.call('ZREM', lane_key(w.l), id)
   redis.call('HINCRBY', K_COUNT, 'waiting_bytes', int(-tonumber(w.n)))
-  if redis.call('HINCRBY', K_COUNT, 'bytes:' .. w.l, int(-tonumber(w.n))) <= 0 then
-    redis.call('HDEL', K_COUNT, 'bytes:' .. w.l)
+  if redis.call('HINCRBY', K_COUNT, 'n:' .. w.l, -1) <= 0 then
+    redis.call('HDEL', K_COUNT, 'bytes:' .. w.l, 'n:' .. w.l)
+  else
+    redis.call('HINCRBY', K_COUNT, 'bytes:' .. w.l, int(-tonumber(w.n)))
   end
   return true
 end
@@ -276,6 +278,7 @@ local function main()
   redis.call('SADD', K_LANES, lane)
   redis.call('HINCRBY', K_COUNT, 'waiting_bytes', ARG[2])
   redis.call('HINCRBY', K_COUNT, 'bytes:' .. lane, ARG[2])
+  redis.call('HINCRBY', K_COUNT, 'n:' .. lane, 1)
   redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
   dispatch()
   dev = granted_device(id)

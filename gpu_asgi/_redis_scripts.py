@@ -72,16 +72,19 @@ class Beat:
         admitted = self.counts.get("admitted", 0)
         return LedgerStatistics(devices, self.waiting, self.waiting_bytes, admitted, rejected, self.release_rate)
 
-    def retry_after(self, capacities: Mapping[str, int], nbytes: int, max_wait: float, priority: int = 0) -> float:
+    def retry_after(
+        self, capacities: Mapping[str, int], nbytes: int, max_wait: float, priority: int, max_bypass: int
+    ) -> float:
         """As :meth:`Ledger.retry_after <gpu_asgi.Ledger.retry_after>`, from this snapshot."""
         lanes = []
         for key, n in self.counts.items():
             if key.startswith("bytes:"):
-                p, c, devices = key.removeprefix("bytes:").split(":", 2)
-                lanes.append(((int(p), int(c), devices), n))
+                lane = key.removeprefix("bytes:")
+                p, c, _ = lane.split(":", 2)
+                lanes.append((int(p), int(c), self.counts.get("n:" + lane, 1), n))
         free = sum(capacity - self.reserved.get(name, 0) for name, capacity in capacities.items())
-        ahead = bytes_ahead(lanes, nbytes, priority)
-        return retry_after(max(0, ahead + nbytes - free), self.release_rate, max_wait)
+        ahead = bytes_ahead(lanes, nbytes, priority, max_bypass)
+        return retry_after(max(0, round(ahead) + nbytes - free), self.release_rate, max_wait)
 
 
 class LedgerScripts:

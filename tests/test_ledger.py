@@ -229,6 +229,28 @@ async def test_retry_after_counts_the_bytes_ahead_of_the_request() -> None:
         (await task).release()
 
 
+@pytest.mark.parametrize(("max_bypass", "expected"), [(8, 19.0), (20, 10.0)])
+async def test_retry_after_counts_a_larger_head_that_claims_before_the_request(max_bypass: int, expected: float) -> None:
+    """Nine smaller waiters ahead pass a larger head at most ``max_bypass`` times: with 8, the
+    ninth admission ahead finds it claiming its device, so its 900 bytes go first too."""
+    clock = FakeClock()
+    ledger = Ledger(1000, clock=clock, max_wait=30, max_bypass=max_bypass)
+    for _ in range(10):  # 100 bytes per busy second
+        reservation = await ledger.reserve(100)
+        clock.now += 1
+        reservation.release()
+    holder = await ledger.reserve(1000)
+    tasks = [asyncio.ensure_future(ledger.reserve(900))]
+    tasks += [asyncio.ensure_future(ledger.reserve(100)) for _ in range(9)]
+    await settle()
+    assert ledger.retry_after(100) == pytest.approx(expected)
+    for task in tasks:
+        task.cancel()
+    holder.release()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert ledger.statistics().reserved_bytes == 0
+
+
 @pytest.mark.parametrize("max_wait", [float("inf"), 3600.0, 1e300, 0.0])
 async def test_retry_after_is_finite_and_clamped_for_any_max_wait(max_wait: float) -> None:
     ledger = Ledger(100, max_wait=max_wait, max_queue=0)

@@ -291,6 +291,30 @@ async def test_statistics_and_retry_after_cover_every_worker(
     assert 1.0 <= first.retry_after(100) < first.max_wait  # from the shared drain rate, not the fallback
 
 
+async def test_retry_after_counts_the_same_bytes_ahead_as_the_in_process_ledger(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    """Nine 100-byte waiters behind a 900-byte one: with max_bypass=8 the larger head claims
+    before a new 100-byte request's turn, so 1,800 bytes are ahead of it (as in Ledger)."""
+    ledger = make_ledger(1000, max_bypass=8)
+    for _ in range(3):  # a drain rate to predict from
+        (await ledger.reserve(100)).release()
+    holder = await ledger.reserve(1000)
+    tasks = [asyncio.ensure_future(ledger.reserve(900))]
+    await eventually(queued(redis_server, namespace, 1))
+    tasks += [asyncio.ensure_future(ledger.reserve(100)) for _ in range(9)]
+    await eventually(queued(redis_server, namespace, 10))
+    stats = await ledger.refresh_statistics()
+    rate = stats.release_rate_bytes_per_second
+    assert rate > 0
+    assert ledger.retry_after(100) == pytest.approx(min(600.0, max(1.0, (1800 + 100) / rate)))
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    holder.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+
+
 async def test_the_middleware_admits_through_the_redis_ledger(redis_server: RedisServer, namespace: str) -> None:
     ledger = RedisLedger(redis_server.url, 100, namespace=namespace)
     peak = {"now": 0, "max": 0}
