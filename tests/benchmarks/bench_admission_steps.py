@@ -46,7 +46,7 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         granted[0].release()
 
     async def body() -> None:
-        await read_body(receive, 1 << 20, 30.0, middleware._deadlines)
+        await read_body(receive, 1 << 20, 30.0, middleware._deadlines.sweep())
 
     def span() -> None:
         started = middleware._tracer.start_span("step")
