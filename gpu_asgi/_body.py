@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._deadlines import Sweep
+from ._deadlines import Deadlines
 from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidHeader, InvalidJSON, UnsupportedMediaType
 from ._tagging import RouteSpec
 from ._types import Receive, Scope
@@ -79,13 +79,14 @@ def client_wait(raw: bytes, cap: float) -> float:
     return min(seconds, cap)
 
 
-async def read_body(receive: Receive, max_bytes: int, timeout: float, sweep: Sweep) -> bytes | None:
+async def read_body(receive: Receive, max_bytes: int, timeout: float, deadlines: Deadlines) -> bytes | None:
     """The whole body, or None when the client disconnected while sending it.
 
-    The deadline is watched by ``sweep``, the running loop's own (``Deadlines.sweep()``).
+    The deadline is watched by the running loop's own sweep (see ``_deadlines``).
     """
     chunks: list[bytes] = []
     size = 0
+    sweep = deadlines.sweep()
     key = sweep.add(timeout)
     try:
         while True:

@@ -222,7 +222,7 @@ class GPUAdmissionMiddleware:
         """Read the body, estimate and reserve: what the endpoint gets, or None once gpu_asgi has
         answered the request itself (a refusal) or the client has left (nothing reserved)."""
         try:
-            sweep = self._deadlines.sweep()  # the running asyncio loop's: one loop lookup per request
+            asyncio.get_running_loop()
         except RuntimeError:
             raise RuntimeError(ASYNCIO_ONLY) from None
         metrics = self.metrics
@@ -237,7 +237,7 @@ class GPUAdmissionMiddleware:
             wait_limit = spec.max_client_wait
             if raw_timeout is not None:
                 wait_limit = client_wait(raw_timeout, self._wait_cap if wait_limit is None else wait_limit)
-            body = await read_body(receive, self.max_body_bytes, self.body_timeout, sweep)
+            body = await read_body(receive, self.max_body_bytes, self.body_timeout, self._deadlines)
             if body is None:
                 return None  # the client left while sending: nobody to answer, nothing reserved
             request = parse_request(body, spec, lambda: _route_name(scope))

@@ -23,7 +23,7 @@ async def never() -> dict[str, object]:
 async def test_a_read_past_its_deadline_times_out_and_the_task_goes_on() -> None:
     deadlines = Deadlines(tick=0.01)
     with pytest.raises(BodyTimeout):
-        await read_body(never, 100, 0.03, deadlines.sweep())
+        await read_body(never, 100, 0.03, deadlines)
     await asyncio.sleep(0.05)  # the task was uncancelled: it keeps running normally
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
     assert not deadlines.sweep()._entries and not deadlines.sweep()._fired
@@ -37,7 +37,7 @@ async def test_an_outside_cancellation_is_not_turned_into_a_timeout() -> None:
         return await never()
 
     deadlines = Deadlines(tick=0.01)
-    task = asyncio.ensure_future(read_body(receive, 100, 10.0, deadlines.sweep()))
+    task = asyncio.ensure_future(read_body(receive, 100, 10.0, deadlines))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -53,7 +53,7 @@ async def test_fast_reads_are_not_touched_by_the_reaper() -> None:
     async def receive() -> dict[str, object]:
         return next(messages)
 
-    assert await read_body(receive, 100, 0.01, deadlines.sweep()) == b"abcd"
+    assert await read_body(receive, 100, 0.01, deadlines) == b"abcd"
     await asyncio.sleep(0.05)  # the reaper runs, finds nothing, and stops rescheduling
     assert not deadlines.sweep()._scheduled
 
@@ -65,7 +65,7 @@ async def test_oversized_chunked_body_is_refused_while_reading() -> None:
         return next(chunks)
 
     with pytest.raises(BodyTooLarge):
-        await read_body(receive, 100, 1.0, Deadlines(tick=0.5).sweep())
+        await read_body(receive, 100, 1.0, Deadlines(tick=0.5))
 
 
 def test_deadlines_hold_on_every_event_loop_at_once() -> None:
@@ -77,7 +77,7 @@ def test_deadlines_hold_on_every_event_loop_at_once() -> None:
     def run() -> None:
         async def main() -> None:
             try:
-                await read_body(never, 100, 0.05, deadlines.sweep())
+                await read_body(never, 100, 0.05, deadlines)
             except BodyTimeout:
                 outcomes.append("timeout")
 
