@@ -3,9 +3,14 @@ timed alone, beside the whole of it, on the body ``bench_overhead`` sends.
 
     python -m tests.benchmarks.bench_admission_steps [--requests 100000] [--rounds 3]
 
-Each figure is the best of ``rounds`` loops of ``requests`` calls (µs per call), so a busy
-machine inflates it less. The steps do not add up to the whole exactly: the whole also builds
+Each figure is the best of ``rounds`` loops of ``requests`` calls (µs of this process's CPU time
+per call), so a busy machine inflates it less. The steps do not add up to the whole exactly: the whole also builds
 the admission record, sets the request state and runs the code between the steps.
+
+The last rows run a request through the bare Starlette app of ``bench_overhead`` before each
+``admit()``: the difference is what ``admit()`` costs when other code runs between two calls, as
+it does inside an app (the CPU's caches and branch predictors are shared), rather than alone in
+a tight loop.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from gpu_asgi._body import check_headers, parse_request, read_body
 from gpu_asgi._tagging import RouteSpec
 
 from ._report import table, write_report
-from .bench_overhead import BODY, scope_for
+from .bench_overhead import BODY, build, scope_for
 
 PROMPT = "word " * 196  # what parse_request finds in BODY
 
@@ -45,6 +50,15 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         assert granted is not None
         granted[0].release()
 
+    bare_app = build(False)
+
+    async def bare_request() -> None:
+        await bare_app(dict(template), receive, send)
+
+    async def bare_request_then_admit() -> None:
+        await bare_request()
+        await whole()
+
     async def body() -> None:
         await read_body(receive, 1 << 20, 30.0, middleware._deadlines)
 
@@ -67,18 +81,23 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         "estimate": lambda: middleware.estimator.estimate(200, 64, 1) and None,
         "queue-wait span (no SDK)": span,
         "ledger try_reserve + release": reserve,
+        "bare Starlette request": bare_request,
+        "bare Starlette request, then whole admit()": bare_request_then_admit,
     }
     results: dict[str, float] = {}
     for name, step in steps.items():
         best = float("inf")
         for _ in range(rounds):
-            start = time.perf_counter()
+            start = time.process_time()
             for _ in range(requests):
                 awaitable = step()
                 if awaitable is not None:
                     await awaitable
-            best = min(best, (time.perf_counter() - start) / requests * 1e6)
+            best = min(best, (time.process_time() - start) / requests * 1e6)
         results[name] = best
+    results["whole admit() after a bare request (difference)"] = (
+        results["bare Starlette request, then whole admit()"] - results["bare Starlette request"]
+    )
     return results
 
 
