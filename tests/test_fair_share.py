@@ -8,6 +8,7 @@ the same decisions.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -308,3 +309,25 @@ async def test_an_idle_tenant_is_forgotten_after_the_ttl(backend: Backend) -> No
         await eventually(lambda: client.smembers(active) == set(), timeout=5)
         assert 0 < client.pttl(key) <= 1500  # idle: remembered for the ttl, then gone
         await eventually(lambda: not client.exists(key), timeout=10)
+
+
+@_redis.requires_redis_server
+async def test_a_ticket_queued_by_an_older_version_counts_as_the_default_tenant(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """Tickets written before tenants existed name none: dispatch admits them (as the default
+    tenant) instead of failing every script with a Lua error."""
+    from gpu_asgi.redis_ledger import RedisLedger
+
+    async with RedisLedger(redis_server.url, 100, namespace=namespace) as ledger:
+        holder = await ledger.reserve(100)
+        waiter = start(ledger, 50)
+        tickets = "{" + namespace + "}:ticket"
+        with redis_server.client() as client:
+            await eventually(lambda: client.hlen(tickets) == 1)
+            ((rid, raw),) = client.hgetall(tickets).items()
+            old = json.loads(raw)
+            del old["t"]
+            client.hset(tickets, rid, json.dumps(old))
+        holder.release()
+        (await granted(waiter)).release()
