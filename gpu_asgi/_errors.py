@@ -97,6 +97,12 @@ class NeverFits(AdmissionRejected):
     status, reason, title = 413, "exceeds-budget", "The request needs more GPU memory than the budget"
 
 
+class OverTenantQuota(AdmissionRejected):
+    """The request needs more bytes than its tenant may hold at once (its quota): retrying cannot help."""
+
+    status, reason, title = 413, "exceeds-tenant-quota", "The request needs more GPU memory than its tenant's quota"
+
+
 class DeviceMemoryLow(AdmissionRejected):
     """The ledger had room, but the device's real free memory (sampled) is below the estimate plus a margin."""
 

@@ -1,10 +1,12 @@
 """The in-process byte ledger: one VRAM budget per device, reservations, a bounded fair queue.
 
 The decision rule (docs/admission.md, "The ledger") in short: waiters queue in lanes, one per
-(priority, size class, allowed devices), each strictly FIFO; only lane heads are looked at, by
-priority and then arrival. A head that fits is admitted; one admitted ahead of an earlier head
-that could use the same device counts as passing it, and a head passed ``max_bypass`` times
-keeps its devices from every later arrival until it fits. The Redis ledger runs the same rule in
+(tenant, priority, size class, allowed devices), each strictly FIFO; only lane heads are looked
+at, by their tenant's virtual time (``_fair_share``), then priority, then arrival. A head that
+fits (within its tenant's quota) is admitted; one admitted while a head ahead of it (lower virtual
+time, or the same and an earlier arrival) could use the same device counts as passing that head,
+and a head passed ``max_bypass`` times keeps its devices from every head behind it until it fits.
+With one tenant this is plain priority-then-arrival order. The Redis ledger runs the same rule in
 Lua. All state is touched only from the event loop that uses the ledger, so check-and-reserve is
 atomic without locks; releases from other threads are handed to that loop.
 """
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ._drain import DrainRate, retry_after
-from ._errors import NeverFits, QueueFull, QueueTimeout
+from ._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare, check_quota
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
 DEFAULT_DEVICE = "cuda:0"
@@ -169,10 +172,10 @@ def check_priority(priority: int) -> int:
     return priority
 
 
-def bytes_ahead(lanes: Iterable[tuple[tuple[int, int, Any], int]], nbytes: int, priority: int) -> int:
-    """Queued bytes a new request would wait behind: ``lanes`` are ((priority, size class, _), bytes)."""
+def bytes_ahead(lanes: Iterable[tuple[tuple[Any, ...], int]], nbytes: int, priority: int) -> int:
+    """Queued bytes a new request would wait behind: ``lanes`` are ((priority, size class, ...), bytes)."""
     mine = size_class(nbytes)
-    return sum(n for (p, c, _), n in lanes if p >= priority and c <= mine)
+    return sum(n for (p, c, *_), n in lanes if p >= priority and c <= mine)
 
 
 def size_class(nbytes: int) -> int:
@@ -197,6 +200,10 @@ class _Device:
         return self.capacity - self.reserved
 
 
+#: (priority, size class, device indexes, tenant)
+_Lane = tuple[int, int, tuple[int, ...], str]
+
+
 class _Waiter:
     __slots__ = ("devices", "future", "lane", "nbytes", "passed", "priority", "seq", "since", "tenant")
 
@@ -208,9 +215,9 @@ class _Waiter:
         self.nbytes = nbytes
         self.devices = devices
         self.priority = priority
-        self.lane = (priority, size_class(nbytes), tuple(d.index for d in devices))
+        self.lane: _Lane = (priority, size_class(nbytes), tuple(d.index for d in devices), tenant)
         self.future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        #: Admissions of later arrivals, onto a device this waiter could use, while it headed its lane.
+        #: Admissions of heads behind it, onto a device this waiter could use, while it headed its lane.
         self.passed = 0
         self.since = since
 
@@ -221,7 +228,9 @@ class Ledger:
     ``capacity`` is the budget in bytes for a single device (named ``"cuda:0"``) or a mapping
     of device name to budget. Derive budgets with :func:`budget_bytes`: weights and runtime
     overhead come off once there, never per request. A ledger serves one event loop at a time;
-    a reservation may be shrunk or released from any thread.
+    a reservation may be shrunk or released from any thread. ``tenants`` name weights and quotas
+    (any other tenant gets ``default_tenant_policy``); a tenant with nothing held or waiting is
+    forgotten after ``tenant_idle_ttl`` seconds.
     """
 
     def __init__(
@@ -233,6 +242,7 @@ class Ledger:
         max_bypass: int = DEFAULT_MAX_BYPASS,
         tenants: Mapping[str, TenantPolicy] | None = None,
         default_tenant_policy: TenantPolicy = DEFAULT_POLICY,
+        tenant_idle_ttl: float = DEFAULT_TENANT_IDLE_TTL,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         capacities = {DEFAULT_DEVICE: capacity} if isinstance(capacity, int) else dict(capacity)
@@ -249,12 +259,13 @@ class Ledger:
         #: Weights and quotas of the tenants named in advance; any other tenant gets the default.
         self.tenants = dict(tenants or {})
         self.default_tenant_policy = default_tenant_policy
+        self._fair = FairShare(self.tenants, default_tenant_policy, tenant_idle_ttl)
         self._clock = clock
         #: lane key -> seq -> waiter, FIFO. Only lane heads are ever examined.
-        self._lanes: dict[tuple[int, int, tuple[int, ...]], OrderedDict[int, _Waiter]] = {}
+        self._lanes: dict[_Lane, OrderedDict[int, _Waiter]] = {}
         self._waiting = 0
         self._waiting_bytes = 0
-        self._lane_bytes: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        self._lane_bytes: dict[_Lane, int] = {}
         self._reserved = 0
         self._ids = itertools.count(1)
         self._admitted = 0
@@ -275,20 +286,25 @@ class Ledger:
         return self._devices[device].capacity
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
-        return self.tenants.get(tenant, self.default_tenant_policy)
+        return self._fair.policy(tenant)
+
+    @property
+    def tenant_idle_ttl(self) -> float:
+        return self._fair.idle_ttl
 
     # -- admission ----------------------------------------------------------------------
 
     def try_reserve(
         self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
     ) -> Reservation | None:
-        """Reserve at once if nobody is queued and the bytes fit; never waits, never queues."""
+        """Reserve at once if nobody is queued and the bytes fit, within the tenant's quota; never waits or queues."""
         allowed = self._allowed(devices, nbytes)
-        if self._waiting:
+        self._within_quota(tenant, nbytes)
+        if self._waiting or not self._fair.fits(tenant, nbytes):
             return None
         self._bind()
         device = _place(nbytes, allowed)
-        return None if device is None else self._grant(device, nbytes, 0.0, tenant)
+        return None if device is None else self._grant(device, nbytes, 0.0, tenant, self._clock())
 
     async def reserve(
         self,
@@ -302,25 +318,29 @@ class Ledger:
         """Reserve ``nbytes`` for ``tenant`` on one of ``devices``, waiting in the queue if they do not fit yet.
 
         Raises :class:`NeverFits` at once when no allowed device could ever hold the bytes,
-        :class:`QueueFull` when the queue is at ``max_queue``, and :class:`QueueTimeout` after
-        ``timeout`` (default ``max_wait``) seconds; ``ValueError`` for a priority outside
-        ``MIN_PRIORITY..MAX_PRIORITY``. Cancelling the caller leaves the queue cleanly, and bytes
+        :class:`OverTenantQuota` when the tenant's quota could never hold them, :class:`QueueFull`
+        when the queue is at ``max_queue``, and :class:`QueueTimeout` after ``timeout`` (default
+        ``max_wait``) seconds; ``ValueError`` for a priority outside ``MIN_PRIORITY..MAX_PRIORITY``. Cancelling the caller leaves the queue cleanly, and bytes
         granted in the same instant are passed on, never leaked.
         """
         check_priority(priority)
         allowed = self._allowed(devices, nbytes)
+        self._within_quota(tenant, nbytes)
         self._bind()
-        if not self._waiting:
+        now = self._clock()
+        self._fair.forget_idle(now)
+        if not self._waiting and self._fair.fits(tenant, nbytes):
             device = _place(nbytes, allowed)
             if device is not None:
-                return self._grant(device, nbytes, 0.0, tenant)
+                return self._grant(device, nbytes, 0.0, tenant, now)
         if self._waiting >= self.max_queue:
             self._count_rejection(QueueFull.reason)
             raise QueueFull(
                 f"{self._waiting} requests are already waiting for GPU memory.",
                 retry_after=self.retry_after(nbytes, priority=priority),
             )
-        waiter = _Waiter(next(self._ids), nbytes, allowed, priority, self._clock(), tenant)
+        waiter = _Waiter(next(self._ids), nbytes, allowed, priority, now, tenant)
+        self._fair.queued(tenant, nbytes, now)
         self._lanes.setdefault(waiter.lane, OrderedDict())[waiter.seq] = waiter
         self._waiting += 1
         self._waiting_bytes += nbytes
@@ -386,8 +406,16 @@ class Ledger:
             )
         return allowed
 
-    def _grant(self, device: _Device, nbytes: int, waited: float, tenant: str) -> Reservation:
-        self._drain.advance(self._clock(), busy=True)
+    def _within_quota(self, tenant: str, nbytes: int) -> None:
+        try:
+            check_quota(self._fair.policy(tenant), nbytes)
+        except OverTenantQuota:
+            self._count_rejection(OverTenantQuota.reason)
+            raise
+
+    def _grant(self, device: _Device, nbytes: int, waited: float, tenant: str, now: float) -> Reservation:
+        self._drain.advance(now, busy=True)
+        self._fair.hold(tenant, nbytes, 1, now)
         device.reserved += nbytes
         device.in_flight += 1
         self._reserved += nbytes
@@ -396,23 +424,30 @@ class Ledger:
 
     def _dispatch(self) -> None:
         """Admit lane heads while one can be admitted (see the module docstring)."""
+        now = self._clock()
+        accounts = self._fair.accounts
         while self._waiting:
             heads = self._heads()
+            vt = {h.tenant: accounts[h.tenant].vt_at(now) for h in heads}
+            # Quota-blocked heads are neither admitted nor passed, and claim nothing.
+            heads = [h for h in heads if accounts[h.tenant].fits(h.nbytes)]
+            heads.sort(key=lambda h: (vt[h.tenant], -h.priority, h.seq))
             claims = [h for h in heads if h.passed >= self.max_bypass]  # usually none
             for waiter in heads:
-                device = _placement(waiter, claims)
+                device = _placement(waiter, claims, vt)
                 if device is not None:
                     break
             else:
                 return
-            for other in heads:  # the admitted one passes earlier heads that could use its device
-                if other.seq < waiter.seq and device in other.devices:
+            mine = (vt[waiter.tenant], waiter.seq)
+            for other in heads:  # the admitted one passes the heads ahead of it that could use its device
+                if (vt[other.tenant], other.seq) < mine and device in other.devices:
                     other.passed += 1
             self._dequeue(waiter)
-            waiter.future.set_result(self._grant(device, waiter.nbytes, self._clock() - waiter.since, waiter.tenant))
+            waiter.future.set_result(self._grant(device, waiter.nbytes, now - waiter.since, waiter.tenant, now))
 
     def _heads(self) -> list[_Waiter]:
-        """Each lane's first live waiter, by priority then arrival; cancelled ones are dropped."""
+        """Each lane's first live waiter; cancelled ones are dropped."""
         heads = []
         for lane in list(self._lanes.values()):
             while lane:
@@ -421,7 +456,6 @@ class Ledger:
                     heads.append(waiter)
                     break
                 self._dequeue(waiter)  # cancelled, its task has not run its cleanup yet
-        heads.sort(key=_order)
         return heads
 
     def _dequeue(self, waiter: _Waiter) -> None:
@@ -435,18 +469,21 @@ class Ledger:
             self._lane_bytes[waiter.lane] -= waiter.nbytes
         self._waiting -= 1
         self._waiting_bytes -= waiter.nbytes
+        self._fair.left(waiter.tenant, waiter.nbytes, self._clock())
 
     def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
         loop = self._loop
         if loop is not None and threading.get_ident() != self._thread and not loop.is_closed():
             # From a worker thread: the waiters live on the loop, so the loop hands the bytes on.
-            loop.call_soon_threadsafe(self._returned, reservation.device, nbytes, finished)
+            loop.call_soon_threadsafe(self._returned, reservation.device, reservation.tenant, nbytes, finished)
         else:
-            self._returned(reservation.device, nbytes, finished)
+            self._returned(reservation.device, reservation.tenant, nbytes, finished)
 
-    def _returned(self, name: str, nbytes: int, finished: bool) -> None:
+    def _returned(self, name: str, tenant: str, nbytes: int, finished: bool) -> None:
         device = self._devices[name]
-        self._drain.advance(self._clock(), busy=self._reserved > nbytes)
+        now = self._clock()
+        self._drain.advance(now, busy=self._reserved > nbytes)
+        self._fair.hold(tenant, -nbytes, -1 if finished else 0, now)
         device.reserved -= nbytes
         self._reserved -= nbytes
         if finished:
@@ -483,6 +520,7 @@ class Ledger:
             admitted_total=self._admitted,
             rejected_total=dict(self._rejected),
             release_rate_bytes_per_second=self.release_rate(),
+            tenants=self._fair.statistics(self._clock()),
         )
 
 
@@ -490,14 +528,12 @@ class Ledger:
 MAX_TIMEOUT = 1e9
 
 
-def _order(waiter: _Waiter) -> tuple[int, int]:
-    return (-waiter.priority, waiter.seq)
-
-
-def _placement(waiter: _Waiter, claims: list[_Waiter]) -> _Device | None:
+def _placement(waiter: _Waiter, claims: list[_Waiter], vt: Mapping[str, float]) -> _Device | None:
     """The device ``waiter`` is admitted on now, if any: the allowed one with the most free bytes
-    among those no earlier head has claimed (by being passed ``max_bypass`` times)."""
-    claimed = [h.devices for h in claims if h.seq < waiter.seq]
+    among those no head ahead of it (lower virtual time, or the same and earlier) has claimed by
+    being passed ``max_bypass`` times."""
+    mine = (vt[waiter.tenant], waiter.seq)
+    claimed = [h.devices for h in claims if (vt[h.tenant], h.seq) < mine]
     if not claimed:
         return _place(waiter.nbytes, waiter.devices)
     usable = tuple(d for d in waiter.devices if not any(d in devices for devices in claimed))

@@ -15,6 +15,11 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
 - ``released`` hash: the drain rate's decayed ``bytes`` and busy ``seconds``, ``last`` (ms), ``busy``
 - ``boot``     hash: ``id`` of this Redis dataset (set when a script finds none), ``warm`` until when
   grants pause after a data loss
+- ``tenants``  set of the tenants that hold or wait; each has a hash ``tenants:<name>``: ``held``,
+  ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt`` and ``served`` (floats written with
+  ``%.17g``, so they read back exactly), ``last`` (ms). An idle tenant's hash expires after the
+  ledger's ``tenant_idle_ttl`` (``PEXPIRE`` when it becomes idle, ``PERSIST`` when it is used again)
+- ``holder``   hash, lease id → tenant
 
 A request's ticket and its lease share one id, chosen by the client before the first call, so a
 caller that gives up at any point can remove both with ``leave`` whatever the server did.
@@ -22,7 +27,11 @@ Admission runs inside the scripts with the in-process ledger's rule (docs/admiss
 ledger"): ``dispatch`` looks only at lane heads, so its cost grows with the number of lanes, never
 with the number of waiters. Each admitted ticket becomes a lease owned by its waiter and
 ``{id: device}`` is published on the wake channel, so a woken waiter needs no further round trip.
-Time is the server's (``TIME``), so the hosts' clocks never matter.
+Time is the server's (``TIME``), so the hosts' clocks never matter; tests may pass a clock of
+their own instead. The fair share between tenants (``_fair_share``) is computed here with the same
+arithmetic in the same order, so both ledgers reach the same floats and the same decisions.
+Tenants' weights and quotas come with the config of every call: every process sharing a
+namespace must configure the same tenants.
 
 Data loss (Redis restarted without persistence, or flushed): a caller
 that knew an earlier ``boot`` id sees a new one, so Redis lost what the workers still hold. Grants
@@ -31,17 +40,23 @@ and puts them back (``restore``); requests queue meanwhile. A namespace used for
 has no earlier id to compare with and starts at once.
 """
 
-#: Every script starts with these helpers. KEYS: the ten keys above; ARGV: the ledger's config
-#: (JSON), the boot id the caller last saw ('' if none), then the script's own arguments (ARG).
+#: Every script starts with these helpers. KEYS: the twelve keys above; ARGV: the ledger's config
+#: (JSON), the boot id the caller last saw ('' if none), the time in ms ('' for the server's
+#: TIME; only tests pass one), then the script's own arguments (ARG).
 #: A script's body is the function ``main``; ``finish`` then records whether bytes are reserved.
 PRELUDE = """
-local K_EXP, K_LEASE, K_TICKET, K_QUEUE, K_RES, K_INFL, K_COUNT, K_REL, K_BOOT, K_LANES =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10]
+local K_EXP, K_LEASE, K_TICKET, K_QUEUE, K_RES, K_INFL, K_COUNT, K_REL, K_BOOT, K_LANES, K_TEN, K_HOLDER =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11], KEYS[12]
 local cfg = cjson.decode(ARGV[1])
 local ARG = {}
-for i = 3, #ARGV do ARG[i - 2] = ARGV[i] end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+for i = 4, #ARGV do ARG[i - 3] = ARGV[i] end
+local now
+if ARGV[3] ~= '' then
+  now = tonumber(ARGV[3])
+else
+  local clock = redis.call('TIME')
+  now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
 
 local function int(x)
   if x == 0 then return '0' end  -- not '-0', which HINCRBY refuses
@@ -96,15 +111,88 @@ local function place(n, devs)
   return nil
 end
 
-local function hold(id, n, dev)
+-- Tenants' accounts: the same fields and arithmetic as gpu_asgi/_fair_share.py.
+local function account(t)
+  local r = redis.call('HMGET', K_TEN .. ':' .. t, 'held', 'inflight', 'waiting', 'wbytes', 'vt', 'served', 'last')
+  local policy = cfg.tenants[t] or cfg.default
+  return {name = t, weight = policy[1], quota = policy[2], held = tonumber(r[1] or '0'),
+    inflight = tonumber(r[2] or '0'), waiting = tonumber(r[3] or '0'), wbytes = tonumber(r[4] or '0'),
+    vt = tonumber(r[5] or '0'), served = tonumber(r[6] or '0'), last = tonumber(r[7] or now)}
+end
+
+local function save(a)
+  local key = K_TEN .. ':' .. a.name
+  redis.call('HSET', key, 'held', int(a.held), 'inflight', int(a.inflight), 'waiting', int(a.waiting),
+    'wbytes', int(a.wbytes), 'vt', string.format('%.17g', a.vt), 'served', string.format('%.17g', a.served),
+    'last', int(a.last))
+  if a.inflight > 0 or a.waiting > 0 then
+    redis.call('PERSIST', key)
+    redis.call('SADD', K_TEN, a.name)
+  else  -- idle: forgotten after tenant_idle_ttl unless used again
+    redis.call('PEXPIRE', key, cfg.idle)
+    redis.call('SREM', K_TEN, a.name)
+  end
+end
+
+-- Virtual time now, without bringing it up to date (stored values change only at shared events).
+local function vt_at(a)
+  if now > a.last then return a.vt + a.held * ((now - a.last) / 1000) / a.weight end
+  return a.vt
+end
+
+local function advance(a)
+  if now > a.last then
+    local elapsed = (now - a.last) / 1000
+    a.vt = a.vt + a.held * elapsed / a.weight
+    a.served = a.served + a.held * elapsed
+    a.last = now
+  end
+end
+
+local function tenant_holds(t, n, leases)
+  local a = account(t)
+  advance(a)
+  a.held, a.inflight = a.held + n, a.inflight + leases
+  save(a)
+end
+
+-- A waiter joins; the tenant's first one lifts its virtual time to the lowest of those waiting
+-- (of those holding bytes when nobody waits): no credit is banked while idle.
+local function tenant_queued(t, n)
+  local a = account(t)
+  if a.waiting == 0 then
+    advance(a)
+    local waiting, holding = nil, nil
+    for _, other in ipairs(redis.call('SMEMBERS', K_TEN)) do
+      if other ~= t then
+        local b = account(other)
+        local v = vt_at(b)
+        if b.waiting > 0 and (waiting == nil or v < waiting) then waiting = v end
+        if b.inflight > 0 and (holding == nil or v < holding) then holding = v end
+      end
+    end
+    local floor = waiting or holding
+    if floor and floor > a.vt then a.vt = floor end
+  end
+  a.waiting, a.wbytes = a.waiting + 1, a.wbytes + n
+  save(a)
+end
+
+local function fits_quota(a, n)
+  return a.quota == 0 or a.held + n <= a.quota
+end
+
+local function hold(id, n, dev, t)
   redis.call('HINCRBY', K_RES, dev, int(n))
   redis.call('HINCRBY', K_INFL, dev, 1)
   redis.call('HSET', K_LEASE, id, int(n) .. ' ' .. dev)
+  redis.call('HSET', K_HOLDER, id, t)
   redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
+  tenant_holds(t, n, 1)
 end
 
-local function grant(id, n, dev)
-  hold(id, n, dev)
+local function grant(id, n, dev, t)
+  hold(id, n, dev, t)
   redis.call('HINCRBY', K_COUNT, 'admitted', 1)
 end
 
@@ -125,6 +213,11 @@ local function drop_lease(id)
   redis.call('HDEL', K_LEASE, id)
   redis.call('HINCRBY', K_RES, dev, int(-n))
   redis.call('HINCRBY', K_INFL, dev, -1)
+  local t = redis.call('HGET', K_HOLDER, id)
+  if t then
+    redis.call('HDEL', K_HOLDER, id)
+    tenant_holds(t, -n, -1)
+  end
   returned(n)
   return true
 end
@@ -142,6 +235,9 @@ local function drop_ticket(id)
   if redis.call('HINCRBY', K_COUNT, 'bytes:' .. w.l, int(-tonumber(w.n))) <= 0 then
     redis.call('HDEL', K_COUNT, 'bytes:' .. w.l)
   end
+  local a = account(w.t)
+  a.waiting, a.wbytes = a.waiting - 1, a.wbytes - tonumber(w.n)
+  save(a)
   return true
 end
 
@@ -156,7 +252,7 @@ local function reap()
   return #expired
 end
 
--- Each lane's first ticket, by priority then arrival.
+-- Each lane's first ticket (in no particular order).
 local function heads()
   local hs = {}
   for _, lane in ipairs(redis.call('SMEMBERS', K_LANES)) do
@@ -176,11 +272,13 @@ local function heads()
       redis.call('ZREM', lane_key(lane), first)  -- a ticket that went without its lane entry
     end
   end
-  table.sort(hs, function(a, b)
-    if a.p ~= b.p then return a.p > b.p end
-    return a.s < b.s
-  end)
   return hs
+end
+
+-- Is head h ahead of head w: its tenant's virtual time lower, or the same and h arrived first?
+local function ahead(h, w)
+  if h.v ~= w.v then return h.v < w.v end
+  return h.s < w.s
 end
 
 local function has(list, x)
@@ -188,14 +286,14 @@ local function has(list, x)
   return false
 end
 
--- The device a head is admitted on now: among its devices no earlier head passed max_bypass
+-- The device a head is admitted on now: among its devices no head ahead of it passed max_bypass
 -- times has claimed, the one with the most free bytes, if it fits.
 local function placement(w, hs)
   local usable = {}
   for _, dev in ipairs(w.d) do
     local claimed = false
     for _, h in ipairs(hs) do
-      if h.s < w.s and h.b >= cfg.bypass and has(h.d, dev) then claimed = true break end
+      if h.b >= cfg.bypass and ahead(h, w) and has(h.d, dev) then claimed = true break end
     end
     if not claimed then usable[#usable + 1] = dev end
   end
@@ -206,21 +304,37 @@ local function dispatch()
   if warming then return end  -- leases lost with the data are being put back
   local granted, count = {}, 0
   while true do
-    local hs = heads()
+    local hs, accounts, vts = {}, {}, {}
+    for _, w in ipairs(heads()) do
+      local a = accounts[w.t]
+      if not a then
+        a = account(w.t)
+        accounts[w.t], vts[w.t] = a, vt_at(a)
+      end
+      w.v = vts[w.t]
+      -- Quota-blocked heads are neither admitted nor passed, and claim nothing.
+      if fits_quota(a, w.bytes) then hs[#hs + 1] = w end
+    end
+    table.sort(hs, function(a, b)
+      if a.v ~= b.v then return a.v < b.v end
+      if a.p ~= b.p then return a.p > b.p end
+      return a.s < b.s
+    end)
     local chosen, dev = nil, nil
     for _, w in ipairs(hs) do
       dev = placement(w, hs)
       if dev then chosen = w break end
     end
     if not chosen then break end
-    for _, h in ipairs(hs) do  -- the admitted one passes earlier heads that could use its device
-      if h.s < chosen.s and has(h.d, dev) then
+    for _, h in ipairs(hs) do  -- the admitted one passes the heads ahead of it that could use its device
+      if ahead(h, chosen) and has(h.d, dev) then
         h.b = h.b + 1
-        redis.call('HSET', K_TICKET, h.id, cjson.encode({n = h.n, d = h.d, p = h.p, s = h.s, l = h.l, b = h.b}))
+        redis.call('HSET', K_TICKET, h.id,
+          cjson.encode({n = h.n, d = h.d, p = h.p, s = h.s, l = h.l, b = h.b, t = h.t}))
       end
     end
     drop_ticket(chosen.id)
-    grant(chosen.id, chosen.bytes, dev)
+    grant(chosen.id, chosen.bytes, dev, chosen.t)
     granted[chosen.id], count = dev, count + 1
   end
   if count > 0 then redis.call('PUBLISH', cfg.chan, cjson.encode(granted)) end
@@ -245,21 +359,21 @@ finish()
 return result
 """
 
-# ARG: id, bytes, devices (JSON, in the ledger's order), device indexes (e.g. "0,1"), priority.
-# Asking again with the same id answers the state of the first ask (a call that timed out).
+# ARG: id, bytes, devices (JSON, in the ledger's order), device indexes (e.g. "0,1"), priority,
+# tenant. Asking again with the same id answers the state of the first ask (a call that timed out).
 RESERVE = """
 local function main()
   if reap() > 0 then dispatch() end
-  local id, n = ARG[1], tonumber(ARG[2])
+  local id, n, t = ARG[1], tonumber(ARG[2]), ARG[6]
   local dev = granted_device(id)
   if dev then return {'granted', dev} end
   local waiting = redis.call('ZCARD', K_QUEUE)
   if redis.call('HEXISTS', K_TICKET, id) == 1 then return {'queued', waiting} end
   local devs = cjson.decode(ARG[3])
-  if waiting == 0 and not warming then
+  if waiting == 0 and not warming and fits_quota(account(t), n) then
     dev = place(n, devs)
     if dev then
-      grant(id, n, dev)
+      grant(id, n, dev, t)
       return {'granted', dev}
     end
   end
@@ -269,8 +383,9 @@ local function main()
   end
   local seq = redis.call('HINCRBY', K_COUNT, 'seq', 1)
   local p = tonumber(ARG[5])
-  local lane = ARG[5] .. ':' .. size_class(n) .. ':' .. ARG[4]
-  redis.call('HSET', K_TICKET, id, cjson.encode({n = ARG[2], d = devs, p = p, s = seq, l = lane, b = 0}))
+  local lane = ARG[5] .. ':' .. size_class(n) .. ':' .. ARG[4] .. ':' .. t
+  tenant_queued(t, n)
+  redis.call('HSET', K_TICKET, id, cjson.encode({n = ARG[2], d = devs, p = p, s = seq, l = lane, b = 0, t = t}))
   redis.call('ZADD', K_QUEUE, seq, id)
   redis.call('ZADD', lane_key(lane), seq, id)
   redis.call('SADD', K_LANES, lane)
@@ -322,6 +437,8 @@ local function main()
     if n and keep < n then
       redis.call('HINCRBY', K_RES, dev, int(keep - n))
       redis.call('HSET', K_LEASE, id, int(keep) .. ' ' .. dev)
+      local t = redis.call('HGET', K_HOLDER, id)
+      if t then tenant_holds(t, keep - n, 0) end
       returned(n - keep)
     end
   end
@@ -331,17 +448,19 @@ local function main()
 end
 """
 
-# ARG: id, bytes, device. Puts back a lease Redis lost (restart, or reaped while its
-# worker could not reach Redis) even past capacity: the bytes are in use on the GPU either way.
+# ARG: id, bytes, device, tenant. Puts back a lease Redis lost (restart, or reaped while its
+# worker could not reach Redis) even past capacity (and quota): the bytes are in use either way.
 RESTORE = """
 local function main()
-  if not lease_of(ARG[1]) then hold(ARG[1], tonumber(ARG[2]), ARG[3]) end
+  if not lease_of(ARG[1]) then hold(ARG[1], tonumber(ARG[2]), ARG[3], ARG[4]) end
   redis.call('ZADD', K_EXP, int(now + cfg.ttl), ARG[1])
   return 1
 end
 """
 
 # ARG: ids to renew. Returns the ids Redis no longer knows, the shared snapshot and the boot id.
+# The tenants part: one row per tenant that holds or waits and per configured one: name, held,
+# leases, waiting, bytes waiting, byte-seconds served up to now.
 HEARTBEAT = """
 local function main()
   reap()
@@ -355,7 +474,19 @@ local function main()
   end
   dispatch()
   local rel = redis.call('HMGET', K_REL, 'bytes', 'seconds')
+  local tenants, seen = {}, {}
+  local function row(t)
+    if seen[t] then return end
+    seen[t] = true
+    local a = account(t)
+    local served = a.served
+    if now > a.last then served = served + a.held * ((now - a.last) / 1000) end
+    tenants[#tenants + 1] = {t, int(a.held), int(a.inflight), int(a.waiting), int(a.wbytes),
+      string.format('%.17g', served)}
+  end
+  for _, t in ipairs(redis.call('SMEMBERS', K_TEN)) do row(t) end
+  for t, _ in pairs(cfg.tenants) do row(t) end
   return {missing, redis.call('HGETALL', K_RES), redis.call('HGETALL', K_INFL), redis.call('ZCARD', K_QUEUE),
-          redis.call('HGETALL', K_COUNT), rel[1] or '0', rel[2] or '0', boot}
+          redis.call('HGETALL', K_COUNT), rel[1] or '0', rel[2] or '0', boot, tenants}
 end
 """

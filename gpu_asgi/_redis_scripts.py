@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,9 +14,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redis_lua as lua
 from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, retry_after
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL
 from ._ledger import DeviceStatistics, LedgerStatistics, bytes_ahead
+from ._tenancy import DEFAULT_POLICY, TenantPolicy, TenantStatistics
 
-_KEYS = ("expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot", "lanes")
+_KEYS = (
+    "expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot", "lanes", "tenants",
+    "holder",
+)  # fmt: skip
 
 
 #: Pause before asking an exhausted non-blocking connection pool again.
@@ -51,6 +56,8 @@ class Beat:
     counts: dict[str, int] = field(default_factory=dict)
     released_bytes: float = 0.0
     busy_seconds: float = 0.0
+    #: name -> (bytes held, leases, waiting, bytes waiting, byte-seconds served)
+    tenants: dict[str, tuple[int, int, int, int, float]] = field(default_factory=dict)
 
     @property
     def waiting_bytes(self) -> int:
@@ -61,7 +68,12 @@ class Beat:
         """Bytes given back per busy second, as the in-process ledger computes it (``_drain``)."""
         return self.released_bytes / max(self.busy_seconds, MIN_BUSY_SPAN) if self.released_bytes > 0 else 0.0
 
-    def statistics(self, capacities: Mapping[str, int], local_rejections: Mapping[str, int]) -> LedgerStatistics:
+    def statistics(
+        self,
+        capacities: Mapping[str, int],
+        local_rejections: Mapping[str, int],
+        policy: Callable[[str], TenantPolicy] | None = None,
+    ) -> LedgerStatistics:
         devices = tuple(
             DeviceStatistics(name, capacity, self.reserved.get(name, 0), self.in_flight.get(name, 0))
             for name, capacity in capacities.items()
@@ -70,7 +82,15 @@ class Beat:
         for reason, n in local_rejections.items():
             rejected[reason] = rejected.get(reason, 0) + n
         admitted = self.counts.get("admitted", 0)
-        return LedgerStatistics(devices, self.waiting, self.waiting_bytes, admitted, rejected, self.release_rate)
+        tenants = []
+        for name, (held, leases, waiting, waiting_bytes, served) in sorted(self.tenants.items()):
+            known = policy(name) if policy is not None else DEFAULT_POLICY
+            tenants.append(
+                TenantStatistics(name, known.weight, known.quota_bytes, held, leases, waiting, waiting_bytes, served)
+            )
+        return LedgerStatistics(
+            devices, self.waiting, self.waiting_bytes, admitted, rejected, self.release_rate, tuple(tenants)
+        )
 
     def retry_after(self, capacities: Mapping[str, int], nbytes: int, max_wait: float, priority: int = 0) -> float:
         """As :meth:`Ledger.retry_after <gpu_asgi.Ledger.retry_after>`, from this snapshot."""
@@ -98,6 +118,10 @@ class LedgerScripts:
         max_bypass: int,
         max_queue: int,
         timeout: float,
+        tenants: Mapping[str, TenantPolicy] | None = None,
+        default_tenant_policy: TenantPolicy = DEFAULT_POLICY,
+        tenant_idle_ttl: float = DEFAULT_TENANT_IDLE_TTL,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if "{" in namespace or "}" in namespace:
             raise ValueError("the namespace may not contain braces (they are Redis Cluster hash tags)")
@@ -106,10 +130,18 @@ class LedgerScripts:
         self.channel = f"{tag}:wake"
         self.timeout = timeout
         self.client = client
+        #: Tests only: seconds from this instead of the server's TIME (all processes must agree).
+        self.clock = clock
         #: The dataset this process last saw (see _redis_lua: data loss); '' until the first heartbeat.
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
         config |= {"chan": self.channel, "window": RATE_WINDOW, "warm": round(1.5 * heartbeat * 1000)}
+        # Weights go as JSON numbers (repr: exact); a quota of 0 means none.
+        config |= {
+            "tenants": {name: _policy(p) for name, p in (tenants or {}).items()},
+            "default": _policy(default_tenant_policy),
+            "idle": max(1, round(tenant_idle_ttl * 1000)),
+        }
         self._config = json.dumps(config)
         self._index = {name: i for i, name in enumerate(capacities)}
         bodies = {"reserve": lua.RESERVE, "claim": lua.CLAIM, "leave": lua.LEAVE, "release": lua.RELEASE}
@@ -124,7 +156,8 @@ class LedgerScripts:
             async with asyncio.timeout(self.timeout):
                 while True:
                     try:
-                        return await script(keys=self.keys, args=[self._config, self.boot, *args])
+                        now = "" if self.clock is None else str(round(self.clock() * 1000))
+                        return await script(keys=self.keys, args=[self._config, self.boot, now, *args])
                     except MaxConnectionsError:
                         # A caller's client with redis-py's default (non-blocking) pool, all of its
                         # connections busy: that is a burst, not an outage. Wait for one.
@@ -134,13 +167,16 @@ class LedgerScripts:
         except (RedisError, OSError) as exc:
             raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
-    async def reserve(self, id: str, nbytes: int, devices: Sequence[str], priority: int) -> tuple[str, str]:
+    async def reserve(
+        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str
+    ) -> tuple[str, str]:
         """``("granted", device)``, ``("queued", position)`` or ``("full", waiting)``.
 
         ``devices`` in the ledger's order. Asking again with the same id answers the first ask's state.
         """
         indexes = ",".join(str(self._index[name]) for name in devices)
-        state, detail = await self._run("reserve", id, nbytes, json.dumps(list(devices)), indexes, priority)
+        devs = json.dumps(list(devices))
+        state, detail = await self._run("reserve", id, nbytes, devs, indexes, priority, tenant)
         return text(state), text(detail)
 
     async def claim(self, id: str) -> tuple[str, str]:
@@ -155,12 +191,12 @@ class LedgerScripts:
     async def release(self, id: str, keep: int, finished: bool) -> None:
         await self._run("release", id, keep, "1" if finished else "0")
 
-    async def restore(self, id: str, nbytes: int, device: str) -> None:
-        await self._run("restore", id, nbytes, device)
+    async def restore(self, id: str, nbytes: int, device: str, tenant: str) -> None:
+        await self._run("restore", id, nbytes, device, tenant)
 
     async def heartbeat(self, ids: Sequence[str]) -> Beat:
         reply = await self._run("heartbeat", *ids)
-        missing, reserved, in_flight, waiting, counts, released, busy, boot = reply
+        missing, reserved, in_flight, waiting, counts, released, busy, boot, tenants = reply
         self.boot = text(boot)
         return Beat(
             missing=tuple(text(id) for id in missing),
@@ -170,6 +206,10 @@ class LedgerScripts:
             counts=_pairs(counts),
             released_bytes=float(released),
             busy_seconds=float(busy),
+            tenants={
+                text(name): (int(held), int(leases), int(queued), int(queued_bytes), float(served))
+                for name, held, leases, queued, queued_bytes, served in tenants
+            },
         )
 
     async def count_rejection(self, reason: str) -> None:
@@ -178,3 +218,7 @@ class LedgerScripts:
                 await self.client.hincrby(self.keys[6], f"rejected:{reason}", 1)
         except (RedisError, OSError) as exc:
             raise RedisDown(str(exc) or type(exc).__name__) from exc
+
+
+def _policy(policy: TenantPolicy) -> tuple[float, int]:
+    return (policy.weight, policy.quota_bytes or 0)

@@ -150,7 +150,7 @@ class Upkeep:
         try:
             if not reservation.released:
                 self.restored.add(reservation.id)
-                await self.scripts.restore(reservation.id, reservation.nbytes, reservation.device)
+                await self.scripts.restore(reservation.id, reservation.nbytes, reservation.device, reservation.tenant)
         except RedisDown:
             pass  # the next heartbeat finds it missing again
         finally:

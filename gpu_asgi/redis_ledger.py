@@ -23,14 +23,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal, Self
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ._errors import LedgerUnavailable, NeverFits, QueueFull, QueueTimeout
+from ._errors import LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL, check_quota
 from ._ledger import (
     DEFAULT_DEVICE,
     DEFAULT_MAX_BYPASS,
@@ -67,6 +68,11 @@ class RedisLedger:
     has a blocking pool of ``max_connections``: a burst of admissions waits its turn for a
     connection (within ``redis_timeout``) rather than failing; with a client you pass in whose
     pool raises when exhausted (redis-py's default), calls retry until one is free.
+
+    ``tenants``, ``default_tenant_policy`` and ``tenant_idle_ttl`` as the in-process ledger's:
+    every process sharing the namespace must configure the same tenants (the weights and quotas
+    travel with each call, so processes that disagree decide by different rules). ``clock`` is for
+    tests: seconds used instead of the Redis server's ``TIME``.
     """
 
     def __init__(
@@ -88,6 +94,8 @@ class RedisLedger:
         local_share: float | None = None,
         tenants: Mapping[str, TenantPolicy] | None = None,
         default_tenant_policy: TenantPolicy = DEFAULT_POLICY,
+        tenant_idle_ttl: float = DEFAULT_TENANT_IDLE_TTL,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         capacities = {DEFAULT_DEVICE: capacity} if isinstance(capacity, int) else dict(capacity)
         if not capacities or min(capacities.values()) <= 0:
@@ -97,6 +105,8 @@ class RedisLedger:
             raise ValueError(
                 "heartbeat must be positive and shorter than lease_ttl (a third leaves two beats of slack)"
             )
+        if not tenant_idle_ttl > 0:
+            raise ValueError(f"tenant_idle_ttl must be positive, got {tenant_idle_ttl!r}")
         if max_connections < 2:
             raise ValueError("max_connections must be at least 2: the wake-up subscription holds one")
         if on_unavailable not in ("fail-closed", "local"):
@@ -120,6 +130,7 @@ class RedisLedger:
         #: As the in-process ledger's: every process sharing the namespace must name the same tenants.
         self.tenants = dict(tenants or {})
         self.default_tenant_policy = default_tenant_policy
+        self.tenant_idle_ttl = tenant_idle_ttl
         self._owns_client = isinstance(redis, str)
         if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
             # A call waits for a free connection as long as its own timeout allows (timeout=None
@@ -143,6 +154,10 @@ class RedisLedger:
             max_bypass=max_bypass,
             max_queue=max_queue,
             timeout=redis_timeout,
+            tenants=self.tenants,
+            default_tenant_policy=default_tenant_policy,
+            tenant_idle_ttl=tenant_idle_ttl,
+            clock=clock,
         )
         # The probe's own connection: a busy pool never makes Redis look down.
         base = redis.connection_pool
@@ -161,6 +176,7 @@ class RedisLedger:
                 max_bypass=max_bypass,
                 tenants=self.tenants,
                 default_tenant_policy=default_tenant_policy,
+                tenant_idle_ttl=tenant_idle_ttl,
             )
         self._inner: dict[str, Reservation] = {}  # the local-ledger reservation behind a fallback one
         self._unavailable_total = 0  # rejections that never reached Redis, so counted here
@@ -214,6 +230,11 @@ class RedisLedger:
         """
         check_priority(priority)
         names = self._allowed(devices, nbytes)
+        try:
+            check_quota(self.tenant_policy(tenant), nbytes)
+        except OverTenantQuota:
+            self._count_rejection(OverTenantQuota.reason)
+            raise
         upkeep = self._upkeep
         upkeep.start()
         loop = asyncio.get_running_loop()
@@ -226,7 +247,7 @@ class RedisLedger:
         settled, reason = False, ""
         try:
             async with asyncio.timeout_at(deadline):
-                state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority))
+                state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
                         raise asyncio.CancelledError
@@ -235,7 +256,7 @@ class RedisLedger:
                         message = f"{detail} requests are already waiting for GPU memory."
                         raise QueueFull(message, retry_after=self.retry_after(nbytes, priority=priority))
                     if state == "gone":  # never queued (a slow first call), or Redis lost the queue: join
-                        state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority))
+                        state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
                         continue
                     poll = self.poll_interval if upkeep.listening else UNSUBSCRIBED_POLL_INTERVAL
                     with contextlib.suppress(TimeoutError):
@@ -311,13 +332,17 @@ class RedisLedger:
         names = tuple(name for name in self._capacities if name in chosen)  # the ledger's order, always
         largest = max(self._capacities[name] for name in names)
         if nbytes > largest:
-            self._upkeep.spawn(self._upkeep.retrying(self._scripts.count_rejection, NeverFits.reason, tries=1))
+            self._count_rejection(NeverFits.reason)
             raise NeverFits(
                 f"The request needs {nbytes} bytes of GPU memory; the largest budget is {largest} bytes.",
                 required_bytes=nbytes,
                 budget_bytes=largest,
             )
         return names
+
+    def _count_rejection(self, reason: str) -> None:
+        """Counted in Redis, best effort: a refusal never waits on it."""
+        self._upkeep.spawn(self._upkeep.retrying(self._scripts.count_rejection, reason, tries=1))
 
     def _hold(self, reservation: Reservation) -> Reservation:
         self._upkeep.held[reservation.id] = reservation
@@ -388,6 +413,6 @@ class RedisLedger:
             cached = self._statistics = (
                 beat,
                 self._unavailable_total,
-                beat.statistics(self._capacities, local_rejections),
+                beat.statistics(self._capacities, local_rejections, self.tenant_policy),
             )
         return cached[2]  # the middleware asks once per request: built once per heartbeat

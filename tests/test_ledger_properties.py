@@ -116,7 +116,7 @@ class InRedis:
 
     def arrive(self, arrival: int, nbytes: int, devices: tuple[str, ...] | None, priority: int) -> str:
         names = [name for name in self.devices if devices is None or name in devices]
-        state, _ = self.run(self.scripts.reserve(f"a{arrival}", nbytes, names, priority))
+        state, _ = self.run(self.scripts.reserve(f"a{arrival}", nbytes, names, priority, "default"))
         return str(state)
 
     def release(self, arrival: int) -> None:

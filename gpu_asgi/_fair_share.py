@@ -1,0 +1,172 @@
+"""Work-based fair share between tenants: each tenant's bytes held, and its virtual time.
+
+A tenant's virtual time ``vt`` is the integral of the bytes it holds over time, divided by its
+weight (byte-seconds per unit of weight), brought up to date lazily. Dispatch serves the tenant
+with the lowest ``vt`` first; a tenant that starts waiting is lifted to the lowest ``vt`` of those
+already waiting (of those holding bytes, when nobody waits), so idle time banks no credit. This
+module keeps the accounts; the decision itself is the ledger's (docs/admission.md, "Tenants and
+fair share"). The Redis ledger keeps the same accounts in Lua (``_redis_lua``) with the same
+arithmetic in the same order, so both backends compute the same floats.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from ._errors import OverTenantQuota
+from ._tenancy import TenantPolicy, TenantStatistics
+
+#: Seconds a tenant with nothing held and nothing waiting is remembered (its virtual time with it).
+DEFAULT_TENANT_IDLE_TTL = 300.0
+
+
+def check_quota(policy: TenantPolicy, nbytes: int) -> None:
+    """Refuse at once a request larger than its tenant's whole quota: waiting cannot help it."""
+    quota = policy.quota_bytes
+    if quota is not None and nbytes > quota:
+        raise OverTenantQuota(
+            f"The request needs {nbytes} bytes of GPU memory; its tenant may hold at most {quota} bytes.",
+            required_bytes=nbytes,
+            quota_bytes=quota,
+        )
+
+
+class Account:
+    """One tenant's share of a ledger."""
+
+    __slots__ = ("held", "in_flight", "last", "name", "policy", "served", "vt", "waiting", "waiting_bytes")
+
+    def __init__(self, name: str, policy: TenantPolicy, now: float) -> None:
+        self.name = name
+        self.policy = policy
+        self.held = 0
+        self.in_flight = 0
+        self.waiting = 0
+        self.waiting_bytes = 0
+        #: Byte-seconds per unit of weight held up to ``last``.
+        self.vt = 0.0
+        #: Byte-seconds held up to ``last``.
+        self.served = 0.0
+        self.last = now
+
+    def vt_at(self, now: float) -> float:
+        """The virtual time at ``now``, without bringing it up to date (so the stored value only
+        changes at the events both ledgers share: grants, releases, lifts)."""
+        if now > self.last:
+            return self.vt + self.held * (now - self.last) / self.policy.weight
+        return self.vt
+
+    def advance(self, now: float) -> None:
+        if now > self.last:
+            elapsed = now - self.last
+            self.vt = self.vt + self.held * elapsed / self.policy.weight
+            self.served = self.served + self.held * elapsed
+            self.last = now
+
+    def fits(self, nbytes: int) -> bool:
+        """False while holding ``nbytes`` more would exceed the quota."""
+        quota = self.policy.quota_bytes
+        return quota is None or self.held + nbytes <= quota
+
+    @property
+    def idle(self) -> bool:
+        return not self.in_flight and not self.waiting
+
+
+class FairShare:
+    """Every known tenant's :class:`Account`; an idle one is forgotten after ``idle_ttl`` seconds."""
+
+    def __init__(self, policies: Mapping[str, TenantPolicy], default: TenantPolicy, idle_ttl: float) -> None:
+        if not idle_ttl > 0:
+            raise ValueError(f"tenant_idle_ttl must be positive, got {idle_ttl!r}")
+        self.policies = policies
+        self.default = default
+        self.idle_ttl = idle_ttl
+        self.accounts: dict[str, Account] = {}
+        #: The tenants that hold or wait.
+        self.active: dict[str, Account] = {}
+        #: Idle tenants, oldest first, with when they became idle.
+        self._idle: OrderedDict[str, float] = OrderedDict()
+
+    def policy(self, name: str) -> TenantPolicy:
+        return self.policies.get(name, self.default)
+
+    def account(self, name: str, now: float) -> Account:
+        account = self.accounts.get(name)
+        if account is None:
+            account = self.accounts[name] = Account(name, self.policy(name), now)
+        return account
+
+    def fits(self, name: str, nbytes: int) -> bool:
+        """Whether ``name`` may hold ``nbytes`` more under its quota."""
+        account = self.accounts.get(name)
+        quota = self.policy(name).quota_bytes
+        return quota is None or (account.held if account is not None else 0) + nbytes <= quota
+
+    def hold(self, name: str, nbytes: int, reservations: int, now: float) -> None:
+        """``nbytes`` more (or fewer) held by ``name``, in ``reservations`` more (or fewer) reservations."""
+        account = self.account(name, now)
+        account.advance(now)
+        account.held += nbytes
+        account.in_flight += reservations
+        self._touch(account, now)
+
+    def queued(self, name: str, nbytes: int, now: float) -> None:
+        """A waiter joins; the tenant's first one lifts its virtual time (no credit banked while idle)."""
+        account = self.account(name, now)
+        if not account.waiting:
+            account.advance(now)
+            waiting = [a.vt_at(now) for a in self.active.values() if a.waiting and a is not account]
+            floor = waiting or [a.vt_at(now) for a in self.active.values() if a.in_flight and a is not account]
+            if floor:
+                account.vt = max(account.vt, min(floor))
+        account.waiting += 1
+        account.waiting_bytes += nbytes
+        self._touch(account, now)
+
+    def left(self, name: str, nbytes: int, now: float) -> None:
+        """A waiter left the queue (admitted, timed out or cancelled)."""
+        account = self.account(name, now)
+        account.waiting -= 1
+        account.waiting_bytes -= nbytes
+        self._touch(account, now)
+
+    def _touch(self, account: Account, now: float) -> None:
+        if account.idle:
+            self.active.pop(account.name, None)
+            self._idle[account.name] = now
+            self._idle.move_to_end(account.name)
+        else:
+            self.active[account.name] = account
+            self._idle.pop(account.name, None)
+
+    def forget_idle(self, now: float) -> None:
+        """Drop the accounts idle for ``idle_ttl`` seconds: random tenant keys cannot grow memory."""
+        while self._idle:
+            name, since = next(iter(self._idle.items()))
+            if now - since < self.idle_ttl:
+                return
+            del self._idle[name]
+            del self.accounts[name]
+
+    def statistics(self, now: float) -> tuple[TenantStatistics, ...]:
+        """Every tenant that holds or waits, and every configured one, by name."""
+        rows = []
+        for name in sorted({*self.policies, *self.active}):
+            account = self.accounts.get(name) or Account(name, self.policy(name), now)
+            served = account.served + (account.held * (now - account.last) if now > account.last else 0.0)
+            policy = account.policy
+            rows.append(
+                TenantStatistics(
+                    name,
+                    policy.weight,
+                    policy.quota_bytes,
+                    account.held,
+                    account.in_flight,
+                    account.waiting,
+                    account.waiting_bytes,
+                    served,
+                )
+            )
+        return tuple(rows)

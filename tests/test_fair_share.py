@@ -1,0 +1,310 @@
+"""Fair share between tenants (docs/admission.md, "Tenants and fair share"), in both ledgers.
+
+Every scenario runs against the in-process ``Ledger`` and the ``RedisLedger`` (a real
+redis-server) with one injected clock, so virtual times are exact and both backends must make
+the same decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, Reservation, TenantPolicy
+
+from . import _redis
+from ._asgi import settle
+from ._redis import REDIS_SERVER, RedisServer, eventually
+
+redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
+
+
+class Clock:
+    """Seconds that move only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Backend:
+    def __init__(
+        self,
+        kind: str,
+        make: Callable[..., BudgetLedger],
+        quiet: Callable[[], Awaitable[None]],
+        waiting: Callable[[BudgetLedger], int],
+    ) -> None:
+        self.kind = kind
+        self.make = make
+        self.quiet = quiet
+        self.clock = Clock()
+        self._waiting = waiting
+        self.server: RedisServer | None = None
+
+    async def queued(self, ledger: BudgetLedger, count: int) -> None:
+        """Until exactly ``count`` requests wait in ``ledger`` (so arrival order is certain)."""
+        if self.kind == "memory":
+            await self.quiet()
+        await eventually(lambda: self._waiting(ledger) == count, timeout=5)
+
+    async def still_waiting(self, *tasks: asyncio.Future[Reservation]) -> bool:
+        await self.quiet()
+        return not any(task.done() for task in tasks)
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("redis", marks=pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")),
+    ]
+)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    if request.param == "memory":
+        backend = Backend(
+            "memory",
+            lambda capacity, **options: Ledger(capacity, clock=backend.clock, **options),
+            settle,
+            lambda ledger: ledger.statistics().waiting,
+        )
+        yield backend
+        return
+    from gpu_asgi.redis_ledger import RedisLedger
+
+    server: RedisServer = request.getfixturevalue("redis_server")
+    name: str = request.getfixturevalue("namespace")
+    made: list[RedisLedger] = []
+
+    def make(capacity: Any, **options: Any) -> RedisLedger:
+        # A long lease: the injected clock jumps, and leases must not expire in its time.
+        options = {"lease_ttl": 3600.0, **options}
+        ledger = RedisLedger(server.url, capacity, namespace=name, clock=backend.clock, **options)
+        made.append(ledger)
+        return ledger
+
+    def waiting(ledger: BudgetLedger) -> int:
+        return int(server.ledger_state(name)["tickets"])  # type: ignore[call-overload]
+
+    backend = Backend("redis", make, lambda: asyncio.sleep(0.25), waiting)
+    backend.server = server
+    yield backend
+    for ledger in made:
+        await ledger.aclose()
+
+
+def start(ledger: BudgetLedger, nbytes: int, **options: Any) -> asyncio.Task[Reservation]:
+    return asyncio.ensure_future(ledger.reserve(nbytes, **options))
+
+
+async def granted(task: asyncio.Future[Reservation]) -> Reservation:
+    return await asyncio.wait_for(task, 5)
+
+
+async def next_admitted(pending: dict[asyncio.Task[Reservation], str]) -> tuple[str, Reservation]:
+    """The one pending request admitted next, and its tenant."""
+    done, _ = await asyncio.wait(pending, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1, f"expected exactly one admission, got {len(done)}"
+    task = done.pop()
+    return pending.pop(task), task.result()
+
+
+async def statistics(ledger: BudgetLedger) -> Any:
+    refresh = getattr(ledger, "refresh_statistics", None)
+    return await refresh() if refresh is not None else ledger.statistics()
+
+
+async def test_backlogged_tenants_get_byte_seconds_in_proportion_to_their_weights(backend: Backend) -> None:
+    """Two tenants, weights 1 and 2, both always backlogged with same-sized requests held 1 s
+    each: b is served twice as much (arrival order alone would alternate them)."""
+    clock = backend.clock
+    ledger = backend.make(100, tenants={"a": TenantPolicy(weight=1), "b": TenantPolicy(weight=2)})
+    current = await ledger.reserve(100, tenant="a")
+    pending = {}
+    for tenant in "abab":
+        pending[start(ledger, 100, tenant=tenant)] = tenant
+        await backend.queued(ledger, len(pending))
+    served = {"a": 0, "b": 0}
+    for _ in range(30):
+        clock.advance(1)
+        current.release()
+        tenant, current = await next_admitted(pending)
+        served[tenant] += 1
+        pending[start(ledger, 100, tenant=tenant)] = tenant  # it stays backlogged
+        await backend.queued(ledger, 4)
+    assert served == {"a": 10, "b": 20}
+    stats = {t.name: t for t in (await statistics(ledger)).tenants}
+    share = stats["b"].served_byte_seconds / stats["a"].served_byte_seconds
+    assert 1.8 <= share <= 2.2, stats
+    clock.advance(1)
+    current.release()
+    for task in pending:
+        task.cancel()
+    await asyncio.wait(pending)
+
+
+async def test_a_light_tenant_is_admitted_at_the_next_release_before_a_heavy_backlog(backend: Backend) -> None:
+    clock = backend.clock
+    ledger = backend.make(100)
+    heavy = [await ledger.reserve(50, tenant="heavy") for _ in range(2)]
+    backlog = []
+    for _ in range(3):
+        backlog.append(start(ledger, 50, tenant="heavy"))
+        await backend.queued(ledger, len(backlog))
+    clock.advance(5)
+    light = start(ledger, 50, tenant="light")
+    await backend.queued(ledger, 4)
+    clock.advance(1)
+    heavy[0].release()
+    admitted = await granted(light)  # before the three heavy waiters that arrived earlier
+    assert await backend.still_waiting(*backlog)
+    for reservation in (heavy[1], admitted):
+        clock.advance(1)
+        reservation.release()
+    for task in backlog:
+        clock.advance(1)
+        (await granted(task)).release()
+
+
+async def test_a_tenant_back_from_idle_banks_no_credit(backend: Backend) -> None:
+    """a ran 1 s, then b ran alone for 100 s. When a comes back it is lifted to b's virtual time:
+    it is served next, then they alternate (without the lift a would be served twice first)."""
+    clock = backend.clock
+    ledger = backend.make(100)
+    clock.advance(1)
+    (await ledger.reserve(100, tenant="a")).release()  # 0 byte-seconds: a's account exists
+    current = await ledger.reserve(100, tenant="a")
+    clock.advance(1)
+    current.release()
+    current = await ledger.reserve(100, tenant="b")
+    pending = {}
+    for tenant in "bbaa":
+        if tenant == "a" and not any(t == "a" for t in pending.values()):
+            clock.advance(100)
+        pending[start(ledger, 100, tenant=tenant)] = tenant
+        await backend.queued(ledger, len(pending))
+    order = []
+    for _ in range(4):
+        clock.advance(1)
+        current.release()
+        tenant, current = await next_admitted(pending)
+        order.append(tenant)
+    assert order == ["a", "b", "a", "b"]
+    current.release()
+
+
+async def test_a_quota_blocked_head_does_not_hold_back_others_and_is_not_passed(backend: Backend) -> None:
+    """Work-conserving: a tenant at its quota waits, others that fit are admitted (more often than
+    ``max_bypass``: a quota-blocked head is not passed, so it claims nothing)."""
+    ledger = backend.make(100, max_bypass=1, tenants={"capped": TenantPolicy(quota_bytes=50)})
+    held = await ledger.reserve(50, tenant="capped")
+    blocked = start(ledger, 20, tenant="capped")  # 50 bytes are free, but not for this tenant
+    await backend.queued(ledger, 1)
+    others = [await granted(start(ledger, 10, tenant="other")) for _ in range(4)]
+    assert await backend.still_waiting(blocked)
+    held.release()
+    (await granted(blocked)).release()
+    for reservation in others:
+        reservation.release()
+
+
+async def test_a_large_head_of_the_least_served_tenant_is_passed_at_most_max_bypass_times(backend: Backend) -> None:
+    """busy's small waiters arrived before light's large one, but light has the lower virtual
+    time: admitting busy's requests passes it, so only ``max_bypass`` of them go first (by
+    arrival order alone all five would, and a steady stream of them could starve it)."""
+    clock = backend.clock
+    ledger = backend.make(100, max_bypass=2)
+    first, second = await ledger.reserve(50, tenant="busy"), await ledger.reserve(45, tenant="busy")
+    small = []
+    for _ in range(5):
+        small.append(start(ledger, 10, tenant="busy"))
+        await backend.queued(ledger, len(small))
+    large = start(ledger, 80, tenant="light")
+    await backend.queued(ledger, 6)
+    clock.advance(1)  # busy holds 95 bytes meanwhile: light is now the least served
+    second.release()
+    passing = [await granted(task) for task in small[:2]]
+    assert await backend.still_waiting(large, *small[2:])
+    clock.advance(1)
+    first.release()
+    (await granted(large)).release()
+    for task in small[2:]:
+        (await granted(task)).release()
+    for reservation in passing:
+        reservation.release()
+
+
+async def test_quotas_are_never_exceeded_and_a_request_over_its_quota_is_refused_at_once(backend: Backend) -> None:
+    ledger = backend.make(100, tenants={"capped": TenantPolicy(quota_bytes=50)})
+    with pytest.raises(OverTenantQuota) as over:
+        await ledger.reserve(60, tenant="capped")
+    assert (over.value.status, over.value.reason) == (413, "exceeds-tenant-quota")
+    assert over.value.extensions == {"required_bytes": 60, "quota_bytes": 50}
+    first = await ledger.reserve(40, tenant="capped")
+    if backend.kind == "memory":
+        assert ledger.try_reserve(20, tenant="capped") is None  # the GPU has room, the tenant has not
+        ledger.try_reserve(10, tenant="capped").release()  # type: ignore[union-attr]
+    second = start(ledger, 20, tenant="capped")  # waits on an otherwise idle GPU
+    await backend.queued(ledger, 1)
+    assert await backend.still_waiting(second)
+    first.release()
+    (await granted(second)).release()
+
+    async def rejected() -> int:
+        return int((await statistics(ledger)).rejected_total.get("exceeds-tenant-quota", 0))
+
+    for _ in range(50):  # the Redis ledger counts it in the background
+        if await rejected() == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert await rejected() == 1
+
+
+async def test_statistics_list_the_tenants_that_hold_or_wait_and_the_configured_ones(backend: Backend) -> None:
+    clock = backend.clock
+    gold = TenantPolicy(weight=3.0, quota_bytes=500)
+    ledger = backend.make(100, tenants={"gold": gold})
+    held = await ledger.reserve(60, tenant="acme")
+    waiting = start(ledger, 50, tenant="zeta")
+    await backend.queued(ledger, 1)
+    clock.advance(2)
+    rows = {t.name: t for t in (await statistics(ledger)).tenants}
+    assert set(rows) == {"acme", "gold", "zeta"}
+    assert (rows["gold"].weight, rows["gold"].quota_bytes, rows["gold"].reserved_bytes) == (3.0, 500, 0)
+    acme = rows["acme"]
+    assert (acme.reserved_bytes, acme.in_flight, acme.waiting, acme.served_byte_seconds) == (60, 1, 0, 120.0)
+    assert (rows["zeta"].waiting, rows["zeta"].waiting_bytes, rows["zeta"].reserved_bytes) == (1, 50, 0)
+    held.release()
+    (await granted(waiting)).release()
+
+
+async def test_an_idle_tenant_is_forgotten_after_the_ttl(backend: Backend) -> None:
+    if backend.kind == "memory":
+        ledger = backend.make(100, tenant_idle_ttl=10.0)
+        assert isinstance(ledger, Ledger)
+        (await ledger.reserve(10, tenant="gone")).release()
+        backend.clock.advance(9.5)
+        (await ledger.reserve(10, tenant="other")).release()
+        assert "gone" in ledger._fair.accounts  # idle, remembered (with its virtual time) for the ttl
+        backend.clock.advance(1)
+        (await ledger.reserve(10, tenant="other")).release()
+        assert set(ledger._fair.accounts) == {"other"}
+        return
+    assert backend.server is not None
+    ledger = backend.make(100, tenant_idle_ttl=0.3)
+    reservation = await ledger.reserve(10, tenant="gone")
+    tag = "{" + ledger.namespace + "}"  # type: ignore[attr-defined]
+    with backend.server.client() as client:
+        assert client.ttl(f"{tag}:tenants:gone") == -1  # held: no expiry
+        assert client.smembers(f"{tag}:tenants") == {"gone"}
+        reservation.release()
+        await eventually(lambda: client.smembers(f"{tag}:tenants") == set(), timeout=5)
+        assert client.exists(f"{tag}:tenants:gone")  # idle, remembered for the ttl
+        await eventually(lambda: not client.exists(f"{tag}:tenants:gone"), timeout=5)
