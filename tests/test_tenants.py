@@ -358,3 +358,21 @@ async def test_a_tenant_cancelled_in_the_queue_leaves_nothing_held() -> None:
     held.release()
     await asyncio.sleep(0)
     assert ledger.statistics().reserved_bytes == 0 and ledger.statistics().waiting == 0
+
+
+async def test_the_gauges_read_the_ledgers_own_tenant_statistics() -> None:
+    ledger = Ledger(1000, tenants={"gold": TenantPolicy(weight=2.0)})
+    metrics = GPUMetrics(ledger, registry=CollectorRegistry(), multiprocess=False)
+    held = [ledger.try_reserve(300, tenant="gold"), ledger.try_reserve(100, tenant="x1"), ledger.try_reserve(100, tenant="x2")]
+    parsed = scrape(metrics)
+
+    def gauge(name: str, tenant: str) -> float:
+        return parsed[(f"gpu_asgi_tenant_{name}", frozenset({("tenant", tenant)}))]
+
+    assert (gauge("reserved_bytes", "gold"), gauge("reserved_bytes", "other")) == (300, 200)
+    assert gauge("reserved_share_ratio", "gold") == pytest.approx(0.6)
+    assert gauge("weight_share_ratio", "gold") == pytest.approx(2 / 4)  # gold 2, x1 1, x2 1
+    assert {dict(labels)["tenant"] for name, labels in parsed if name.startswith("gpu_asgi_tenant_")} == {"gold", "other"}
+    for reservation in held:
+        assert reservation is not None
+        reservation.release()

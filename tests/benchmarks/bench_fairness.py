@@ -305,11 +305,13 @@ def ratio(present: float, absent: float) -> float:
     return present / absent if absent > 0 else (1.0 if present == 0 else math.inf)
 
 
-def row(ledger: str, load: float, fair: bool, present: dict[str, Any], absent: dict[str, Any]) -> list[Any]:
+def row(
+    ledger: str, load: float, max_queue: int, fair: bool, present: dict[str, Any], absent: dict[str, Any]
+) -> list[Any]:
     shares = present.get("shares")
     use = present["budget_use_while_waiting"]
     return [
-        ledger, f"{load:g}x", "on" if fair else "off (one tenant)",
+        ledger, f"{load:g}x", max_queue, "on" if fair else "off (one tenant)",
         present["light_p99_wait_s"], absent["light_p99_wait_s"],
         ratio(present["light_p99_wait_s"], absent["light_p99_wait_s"]),
         f"{present['light_not_admitted']}/{present['light_requests']}",
@@ -322,7 +324,7 @@ def row(ledger: str, load: float, fair: bool, present: dict[str, Any], absent: d
 
 
 HEADER = [
-    "ledger", "load", "fair share", "light p99 wait s (heavy present)", "light p99 wait s (heavy absent)",
+    "ledger", "load", "max_queue", "fair share", "light p99 wait s (heavy present)", "light p99 wait s (heavy absent)",
     "ratio (bar <= 1.5)", "lights not admitted", "budget use while waiting (bar >= 90%)", "OOM",
     "all backlogged s", "byte-s shares heavy / lights (weights 0.2 each)", "Jain (bar >= 0.95)",
 ]
@@ -344,8 +346,9 @@ async def redis_rows(
                 runs[heavy] = await run_realtime(ledger, fresh(arrivals, heavy), budget, fair, max_wait, scale)
             finally:
                 await ledger.aclose()
-        rows.append(row(f"RedisLedger (real time x{scale:g})", load, fair, runs[True], runs[False]))
-        results.append({"ledger": "redis", "load": load, "fair": fair, "present": runs[True], "absent": runs[False]})
+        rows.append(row(f"RedisLedger (real time x{scale:g})", load, max_queue, fair, runs[True], runs[False]))
+        results.append({"ledger": "redis", "load": load, "max_queue": max_queue, "fair": fair,
+                        "present": runs[True], "absent": runs[False]})
     return rows, results
 
 
@@ -354,23 +357,26 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000, help="requests per in-process run")
     parser.add_argument("--loads", default="2.5,4.0", help="total offered loads in budgets (>= 2), comma-separated")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--max-queue", type=int, default=256)
+    parser.add_argument("--max-queues", default="4096,256", help="ledger max_queue values, comma-separated")
     parser.add_argument("--max-wait", type=float, default=30.0)
     parser.add_argument("--redis-requests", type=int, default=1500, help="requests per RedisLedger run (0: skip Redis)")
-    parser.add_argument("--redis-loads", default="2.5", help="loads for the RedisLedger runs")
+    parser.add_argument("--redis-loads", default="2.5", help="loads for the RedisLedger runs (at the first max_queue)")
     parser.add_argument("--time-scale", type=float, default=0.1, help="real seconds per simulated second (Redis runs)")
     args = parser.parse_args()
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
-    for load in (float(x) for x in args.loads.split(",")):
-        arrivals = tenant_workload(args.requests, args.seed, estimator, load, budget)
-        for fair in (True, False):
-            present = simulate(fresh(arrivals, True), budget, fair, args.max_queue, args.max_wait)
-            absent = simulate(fresh(arrivals, False), budget, fair, args.max_queue, args.max_wait)
-            rows.append(row("Ledger (virtual time)", load, fair, present, absent))
-            results.append({"ledger": "memory", "load": load, "fair": fair, "present": present, "absent": absent})
+    queues = [int(x) for x in args.max_queues.split(",")]
+    for max_queue in queues:
+        for load in (float(x) for x in args.loads.split(",")):
+            arrivals = tenant_workload(args.requests, args.seed, estimator, load, budget)
+            for fair in (True, False):
+                present = simulate(fresh(arrivals, True), budget, fair, max_queue, args.max_wait)
+                absent = simulate(fresh(arrivals, False), budget, fair, max_queue, args.max_wait)
+                rows.append(row("Ledger (virtual time)", load, max_queue, fair, present, absent))
+                results.append({"ledger": "memory", "load": load, "max_queue": max_queue, "fair": fair,
+                                "present": present, "absent": absent})
     if args.redis_requests:
         from tests._redis import RedisServer
 
@@ -379,7 +385,7 @@ def main() -> None:
             for load in (float(x) for x in args.redis_loads.split(",")):
                 arrivals = tenant_workload(args.redis_requests, args.seed, estimator, load, budget)
                 more_rows, more = asyncio.run(
-                    redis_rows(server.url, arrivals, budget, load, args.max_queue, args.max_wait, args.time_scale)
+                    redis_rows(server.url, arrivals, budget, load, queues[0], args.max_wait, args.time_scale)
                 )
                 rows += more_rows
                 results += more
