@@ -376,3 +376,15 @@ async def test_the_gauges_read_the_ledgers_own_tenant_statistics() -> None:
     for reservation in held:
         assert reservation is not None
         reservation.release()
+
+
+async def test_without_a_tenant_key_no_tenant_is_looked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_asgi import _middleware
+
+    def never(*args: Any) -> str:
+        raise AssertionError("tenants are off: nothing should be read")
+
+    monkeypatch.setattr(_middleware, "find_tenant", never)
+    ledger = RecordingLedger(1000, tenants={"gold": TenantPolicy()})
+    assert await tenant_of(make_app(ledger), headers={"x-tenant-id": "gold"}) == DEFAULT_TENANT
+    assert ledger.calls == [("try_reserve", DEFAULT_TENANT)]
