@@ -26,6 +26,7 @@ from gpu_asgi import (
     GPUMetrics,
     Ledger,
     LinearEstimator,
+    TenantPolicy,
     ThermalPolicy,
     gpu_bound,
     health_router,
@@ -238,9 +239,10 @@ def test_the_grafana_dashboard_queries_only_metrics_we_expose() -> None:
     dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
     sampler = DeviceSampler(OneGPU())
     sampler.sample()
-    metrics = GPUMetrics(Ledger(10), sampler=sampler, registry=CollectorRegistry(), multiprocess=False)
+    ledger = Ledger(10, tenants={"gold": TenantPolicy()})  # a configured tenant: the tenant gauges are there
+    metrics = GPUMetrics(ledger, sampler=sampler, registry=CollectorRegistry(), multiprocess=False)
     for outcome, reason in (("admitted", None), ("rejected", "queue-full")):
-        metrics.record_decision(outcome, device="cuda:0", reason=reason, wait_seconds=0.0)
+        metrics.record_decision(outcome, device="cuda:0", reason=reason, wait_seconds=0.0, tenant="gold")
     metrics.record_clamp()
     metrics.record_peak("cuda:0", 10, 9)
     exposed = {name for name, _ in samples(metrics.render()[0].decode())}
