@@ -18,7 +18,8 @@ from typing import Any
 from ._ledger import BudgetLedger, LedgerStatistics
 from ._sampler import DeviceSampler
 from ._telemetry import ADMITTED
-from ._tenants import tenant_label
+from ._tenancy import DEFAULT_TENANT
+from ._tenants import OTHER_TENANT_LABEL, tenant_label
 
 PROMETHEUS_MISSING = "gpu_asgi's Prometheus metrics need prometheus-client: pip install 'gpu_asgi[prometheus]'."
 DEFAULT_NAMESPACE = "gpu_asgi"
@@ -154,6 +155,7 @@ class GPUMetrics:
         else:
             self.registry.register(_StateCollector(self))
         self._children: dict[tuple[str, ...], Any] = {}
+        self._tenants_seen = False  # the ledger has reported a tenant: sample every tenant label from now on
 
     def __repr__(self) -> str:
         mode = "multiprocess" if self.multiprocess else "single process"
@@ -229,12 +231,19 @@ class GPUMetrics:
                 yield name, help_text, labels, values[name]
 
     def _tenant_samples(self, stats: LedgerStatistics) -> dict[str, list[tuple[tuple[str, ...], float]]]:
-        """The per-tenant gauges, tenants not named in advance summed under ``other``."""
-        if not stats.tenants:
+        """The per-tenant gauges, tenants not named in advance summed under ``other``.
+
+        Once the ledger has reported a tenant, every label is sampled every time, 0 when nobody
+        holds or waits under it: in multiprocess mode a label left out would keep its last value.
+        """
+        if not stats.tenants and not self._tenants_seen:
             return {}
-        sums: dict[str, list[float]] = {}  # label -> [reserved, waiting, served, weight of those present]
+        self._tenants_seen = True
+        # label -> [reserved, waiting, served, weight of those holding or waiting]
+        labels = (*self.tenant_labels, DEFAULT_TENANT, OTHER_TENANT_LABEL)
+        sums: dict[str, list[float]] = {label: [0.0, 0.0, 0.0, 0.0] for label in labels}
         for t in stats.tenants:
-            row = sums.setdefault(tenant_label(t.name, self.tenant_labels), [0.0, 0.0, 0.0, 0.0])
+            row = sums[tenant_label(t.name, self.tenant_labels)]
             row[0] += t.reserved_bytes
             row[1] += t.waiting
             row[2] += t.served_byte_seconds

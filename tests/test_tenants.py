@@ -372,10 +372,15 @@ async def test_the_gauges_read_the_ledgers_own_tenant_statistics() -> None:
     assert (gauge("reserved_bytes", "gold"), gauge("reserved_bytes", "other")) == (300, 200)
     assert gauge("reserved_share_ratio", "gold") == pytest.approx(0.6)
     assert gauge("weight_share_ratio", "gold") == pytest.approx(2 / 4)  # gold 2, x1 1, x2 1
-    assert {dict(labels)["tenant"] for name, labels in parsed if name.startswith("gpu_asgi_tenant_")} == {"gold", "other"}
+    assert gauge("reserved_bytes", "default") == 0  # every label, always (see below)
+    assert {dict(labels)["tenant"] for name, labels in parsed if name.startswith("gpu_asgi_tenant_")} == {"gold", "other", "default"}
     for reservation in held:
         assert reservation is not None
         reservation.release()
+    # Nobody holds under "other" now: its gauges read 0 rather than vanish (a multiprocess gauge
+    # that is no longer set keeps its last value).
+    parsed = scrape(metrics)
+    assert (gauge("reserved_bytes", "other"), gauge("reserved_share_ratio", "other"), gauge("reserved_bytes", "gold")) == (0, 0, 0)
 
 
 async def test_without_a_tenant_key_no_tenant_is_looked_for(monkeypatch: pytest.MonkeyPatch) -> None:
