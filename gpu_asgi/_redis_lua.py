@@ -235,8 +235,8 @@ local function drop_ticket(id)
   if redis.call('HINCRBY', K_COUNT, 'bytes:' .. w.l, int(-tonumber(w.n))) <= 0 then
     redis.call('HDEL', K_COUNT, 'bytes:' .. w.l)
   end
-  local a = account(w.t)
-  a.waiting, a.wbytes = a.waiting - 1, a.wbytes - tonumber(w.n)
+  local a = account(w.t or cfg.unnamed)  -- a ticket of an older version names no tenant
+  a.waiting, a.wbytes = math.max(0, a.waiting - 1), math.max(0, a.wbytes - tonumber(w.n))
   save(a)
   return true
 end
@@ -265,7 +265,7 @@ local function heads()
       local raw = redis.call('HGET', K_TICKET, first)
       if raw then
         local w = cjson.decode(raw)
-        w.id, w.bytes = first, tonumber(w.n)
+        w.id, w.bytes, w.t = first, tonumber(w.n), w.t or cfg.unnamed
         hs[#hs + 1] = w
         break
       end

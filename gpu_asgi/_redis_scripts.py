@@ -16,7 +16,7 @@ from . import _redis_lua as lua
 from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, retry_after
 from ._fair_share import DEFAULT_TENANT_IDLE_TTL
 from ._ledger import DeviceStatistics, LedgerStatistics, bytes_ahead
-from ._tenancy import DEFAULT_POLICY, TenantPolicy, TenantStatistics
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
 _KEYS = (
     "expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot", "lanes", "tenants",
@@ -141,6 +141,7 @@ class LedgerScripts:
             "tenants": {name: _policy(p) for name, p in (tenants or {}).items()},
             "default": _policy(default_tenant_policy),
             "idle": max(1, round(tenant_idle_ttl * 1000)),
+            "unnamed": DEFAULT_TENANT,
         }
         self._config = json.dumps(config)
         self._index = {name: i for i, name in enumerate(capacities)}

@@ -1,12 +1,14 @@
 """Hypothesis state machines of the ledger rule (docs/admission.md, "The ledger").
 
 ``LedgerMachine`` drives the in-process ledger with random arrivals (sizes, priorities,
-devices), releases, shrinks and cancellations and checks after every step: never over-committed,
-nothing leaked, no admissible lane head left waiting, no head passed more than ``max_bypass``
-times. ``TwoLedgersMachine`` feeds the same steps to the in-process ledger and to the Redis
-ledger's scripts on a real redis-server, checks the same invariants on Redis's state, and fails
-on the first step where the two ledgers' decisions (who is admitted, on which device, who is
-refused) differ.
+devices, tenants with random weights and quotas), releases, shrinks, cancellations and the
+passing of time (an injected clock, whole seconds) and checks after every step: never
+over-committed, no tenant over its quota, nothing leaked, no admissible lane head left waiting,
+no head passed more than ``max_bypass`` times. ``TwoLedgersMachine`` feeds the same steps to the
+in-process ledger and to the Redis ledger's scripts on a real redis-server (given the same
+clock), checks the same invariants on Redis's state, and fails on the first step where the two
+ledgers' decisions (who is admitted, on which device, who is refused) or tenant accounts
+(bytes held, virtual times, to the last bit) differ.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpu_asgi import Ledger, NeverFits, QueueFull, Reservation
+from gpu_asgi import Ledger, NeverFits, QueueFull, Reservation, TenantPolicy
 
 from . import _redis
 from ._redis import REDIS_SERVER, RedisServer
@@ -33,6 +35,20 @@ DEVICE_CHOICES: list[tuple[str, ...] | None] = [None, ("cuda:0",), ("cuda:1",), 
 PRIORITIES = st.sampled_from([0, 0, 0, 3, -2])
 #: Small requests that pass, large ones that wait: bypasses and claims happen often.
 SIZES = st.one_of(st.integers(0, 25), st.integers(45, 100))
+#: Three configured tenants (weights and quotas drawn per example) and one that takes the default.
+TENANTS = ("a", "b", "c", "d")
+WEIGHTS = st.sampled_from([1, 2, 0.5, 3, 0.3])
+QUOTAS = st.sampled_from([None, None, 30, 70])
+#: No tenant is forgotten during an example (expiry has its own tests).
+IDLE_TTL = 1e6
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def fits_everywhere(devices: tuple[str, ...] | None) -> int:
@@ -42,9 +58,19 @@ def fits_everywhere(devices: tuple[str, ...] | None) -> int:
 class InProcess:
     """The in-process ledger, its waiters as tasks on the machine's loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_queue: int) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, max_queue: int, tenants: dict[str, TenantPolicy], clock: Clock
+    ) -> None:
         self.loop = loop
-        self.ledger = Ledger(CAPACITIES, max_queue=max_queue, max_bypass=MAX_BYPASS, max_wait=3600)
+        self.ledger = Ledger(
+            CAPACITIES,
+            max_queue=max_queue,
+            max_bypass=MAX_BYPASS,
+            max_wait=3600,
+            tenants=tenants,
+            tenant_idle_ttl=IDLE_TTL,
+            clock=clock,
+        )
         self.tasks: dict[int, asyncio.Task[Reservation]] = {}
         self.held: dict[int, Reservation] = {}
 
@@ -60,8 +86,8 @@ class InProcess:
                 if not task.cancelled() and task.exception() is None:
                     self.held[arrival] = task.result()
 
-    def arrive(self, arrival: int, nbytes: int, devices: tuple[str, ...] | None, priority: int) -> str:
-        task = self.loop.create_task(self.ledger.reserve(nbytes, devices=devices, priority=priority))
+    def arrive(self, arrival: int, nbytes: int, devices: tuple[str, ...] | None, priority: int, tenant: str) -> str:
+        task = self.loop.create_task(self.ledger.reserve(nbytes, devices=devices, priority=priority, tenant=tenant))
         self.tasks[arrival] = task
         self.spin()
         if task.done() and not task.cancelled() and isinstance(task.exception(), QueueFull):
@@ -86,11 +112,23 @@ class InProcess:
     def reserved(self) -> dict[str, int]:
         return {d.name: d.reserved_bytes for d in self.ledger.statistics().devices}
 
+    def accounts(self) -> dict[str, tuple[int, float]]:
+        """Bytes held and virtual time of each tenant that holds or waits."""
+        return {name: (a.held, a.vt) for name, a in self.ledger._fair.active.items()}
+
 
 class InRedis:
     """The Redis ledger's scripts, called one at a time: its decisions without any timing."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, server: RedisServer, namespace: str, max_queue: int) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        server: RedisServer,
+        namespace: str,
+        max_queue: int,
+        tenants: dict[str, TenantPolicy],
+        clock: Clock,
+    ) -> None:
         from redis.asyncio import Redis
 
         from gpu_asgi._redis_scripts import LedgerScripts
@@ -108,15 +146,18 @@ class InRedis:
             max_bypass=MAX_BYPASS,
             max_queue=max_queue,
             timeout=10,
+            tenants=tenants,
+            tenant_idle_ttl=IDLE_TTL,
+            clock=clock,
         )
         self.devices = tuple(CAPACITIES)
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 
-    def arrive(self, arrival: int, nbytes: int, devices: tuple[str, ...] | None, priority: int) -> str:
+    def arrive(self, arrival: int, nbytes: int, devices: tuple[str, ...] | None, priority: int, tenant: str) -> str:
         names = [name for name in self.devices if devices is None or name in devices]
-        state, _ = self.run(self.scripts.reserve(f"a{arrival}", nbytes, names, priority, "default"))
+        state, _ = self.run(self.scripts.reserve(f"a{arrival}", nbytes, names, priority, tenant))
         return str(state)
 
     def release(self, arrival: int) -> None:
@@ -140,6 +181,15 @@ class InRedis:
         raw = self.server.client().hgetall("{" + self.namespace + "}:reserved")
         return {name: int(raw.get(name, 0)) for name in CAPACITIES}
 
+    def accounts(self) -> dict[str, tuple[int, float]]:
+        tag = "{" + self.namespace + "}"
+        with self.server.client() as client:
+            out = {}
+            for name in client.smembers(f"{tag}:tenants"):
+                held, vt = client.hmget(f"{tag}:tenants:{name}", "held", "vt")
+                out[name] = (int(held), float(vt))
+            return out
+
     def heads_passed(self) -> list[int]:
         tickets = self.server.client().hvals("{" + self.namespace + "}:ticket")
         return [json.loads(raw)["b"] for raw in tickets]
@@ -160,14 +210,22 @@ class LedgerMachine(RuleBasedStateMachine):
         self.redis: InRedis | None = None
         self.arrivals = 0
         self.waiting: dict[int, tuple[int, tuple[str, ...] | None, int]] = {}  # arrival -> request
+        self.tenant_of: dict[int, str] = {}
+        self.clock = Clock()
+        self.tenants: dict[str, TenantPolicy] = {}
 
-    @initialize(max_queue=st.integers(1, 12))
-    def setup(self, max_queue: int) -> None:
-        self.memory = InProcess(self.loop, max_queue)
+    @initialize(
+        max_queue=st.integers(1, 12),
+        weights=st.tuples(WEIGHTS, WEIGHTS, WEIGHTS),
+        quotas=st.tuples(QUOTAS, QUOTAS, QUOTAS),
+    )
+    def setup(self, max_queue: int, weights: tuple[float, ...], quotas: tuple[int | None, ...]) -> None:
+        self.tenants = {name: TenantPolicy(w, q) for name, w, q in zip(TENANTS, weights, quotas, strict=False)}
+        self.memory = InProcess(self.loop, max_queue, self.tenants, self.clock)
         if self.with_redis:
             TwoLedgersMachine.namespaces += 1
             namespace = f"machine-{TwoLedgersMachine.namespaces}"
-            self.redis = InRedis(self.loop, TwoLedgersMachine.server, namespace, max_queue)
+            self.redis = InRedis(self.loop, TwoLedgersMachine.server, namespace, max_queue, self.tenants, self.clock)
 
     def backends(self) -> list[Any]:
         return [self.memory] if self.redis is None else [self.memory, self.redis]
@@ -176,14 +234,22 @@ class LedgerMachine(RuleBasedStateMachine):
         memory = self.memory.placements()
         if self.redis is not None:
             assert self.redis.placements() == memory, "the two ledgers admitted differently"
+            assert self.redis.accounts() == self.memory.accounts(), "the two ledgers' tenant accounts differ"
         self.waiting = {a: w for a, w in self.waiting.items() if a not in memory and a in self.memory.tasks}
 
-    @rule(nbytes=SIZES, choice=st.integers(0, len(DEVICE_CHOICES) - 1), priority=PRIORITIES)
-    def arrive(self, nbytes: int, choice: int, priority: int) -> None:
+    @rule(
+        nbytes=SIZES,
+        choice=st.integers(0, len(DEVICE_CHOICES) - 1),
+        priority=PRIORITIES,
+        tenant=st.sampled_from(TENANTS),
+    )
+    def arrive(self, nbytes: int, choice: int, priority: int, tenant: str) -> None:
         devices = DEVICE_CHOICES[choice]
-        nbytes = min(nbytes, fits_everywhere(devices))
+        quota = self.memory.ledger.tenant_policy(tenant).quota_bytes
+        nbytes = min(nbytes, fits_everywhere(devices), quota or nbytes)  # larger: refused (test_fair_share)
         self.arrivals += 1
-        states = [b.arrive(self.arrivals, nbytes, devices, priority) for b in self.backends()]
+        self.tenant_of[self.arrivals] = tenant
+        states = [b.arrive(self.arrivals, nbytes, devices, priority, tenant) for b in self.backends()]
         assert len(set(states)) == 1, f"arrival {self.arrivals} ({nbytes} B): {states}"
         if states[0] == "queued":
             self.waiting[self.arrivals] = (nbytes, devices, priority)
@@ -194,6 +260,11 @@ class LedgerMachine(RuleBasedStateMachine):
         task = self.loop.create_task(self.memory.ledger.reserve(nbytes))
         self.loop.run_until_complete(asyncio.wait([task]))
         assert isinstance(task.exception(), NeverFits)
+
+    @rule(seconds=st.integers(1, 5))
+    def tick(self, seconds: int) -> None:
+        """Time passes (whole seconds: both ledgers then compute exactly the same floats)."""
+        self.clock.now += seconds
 
     @precondition(lambda self: self.memory.held)
     @rule(index=st.integers(0, 1000))
@@ -236,16 +307,34 @@ class LedgerMachine(RuleBasedStateMachine):
         assert stats.waiting == len(self.memory.tasks)
 
     @invariant()
+    def no_tenant_holds_more_than_its_quota(self) -> None:
+        if not hasattr(self, "memory"):
+            return
+        by_tenant: dict[str, int] = {}
+        for arrival, (_, nbytes) in self.memory.placements().items():
+            by_tenant[self.tenant_of[arrival]] = by_tenant.get(self.tenant_of[arrival], 0) + nbytes
+        for tenant, nbytes in by_tenant.items():
+            quota = self.memory.ledger.tenant_policy(tenant).quota_bytes
+            assert quota is None or nbytes <= quota, f"{tenant} holds {nbytes} bytes, quota {quota}"
+            for backend in self.backends():  # each ledger's own account agrees
+                assert backend.accounts()[tenant][0] == nbytes
+
+    @invariant()
     def no_head_that_could_be_admitted_waits(self) -> None:
-        """The earliest waiter of the highest priority is a lane head nothing can have claimed a
-        device from unless it arrived later: it waits only if it fits on none of its devices, or
-        an earlier waiter has claimed them."""
+        """Of the lane heads within their tenant's quota, the first by (virtual time, arrival) has
+        nothing ahead of it that could claim a device: it waits only if it fits on none of its
+        devices. (A waiter that is no lane head waits behind its lane's head, by design.)"""
         if not hasattr(self, "memory") or not self.waiting:
             return
+        ledger, now = self.memory.ledger, self.clock.now
+        accounts = ledger._fair.accounts
+        heads = [next(iter(lane.values())) for lane in ledger._lanes.values()]
+        heads = [h for h in heads if accounts[h.tenant].fits(h.nbytes)]
+        if not heads:
+            return  # every head is at its tenant's quota: they wait for their own releases
+        first = min(heads, key=lambda h: (accounts[h.tenant].vt_at(now), h.seq))
         free = {name: CAPACITIES[name] - n for name, n in self.memory.reserved().items()}
-        first = min(self.waiting)  # the earliest arrival is always a lane head, and nothing claims before it
-        nbytes, devices, _ = self.waiting[first]
-        assert all(nbytes > free[name] for name in devices or CAPACITIES), f"arrival {first} fits but waits"
+        assert all(first.nbytes > free[d.name] for d in first.devices), f"waiter {first.seq} fits but waits"
 
     @invariant()
     def no_head_is_passed_more_than_max_bypass_times(self) -> None:
