@@ -2,8 +2,9 @@
 
 A tenant's virtual time ``vt`` is the integral of the bytes it holds over time, divided by its
 weight (byte-seconds per unit of weight), brought up to date lazily. Dispatch serves the tenant
-with the lowest ``vt`` first; a tenant that starts waiting is lifted to the lowest ``vt`` of those
-already waiting (of those holding bytes, when nobody waits), so idle time banks no credit. This
+with the lowest ``vt`` first. A tenant that starts waiting is lifted to the lowest ``vt`` of those
+already waiting (of those holding bytes, when nobody waits) less the lead it had over them when
+its last waiter left: it keeps its standing, but time without waiters banks no credit. This
 module keeps the accounts; the decision itself is the ledger's (docs/admission.md, "Tenants and
 fair share"). The Redis ledger keeps the same accounts in Lua (``_redis_lua``) with the same
 arithmetic in the same order, so both backends compute the same floats.
@@ -35,7 +36,7 @@ def check_quota(policy: TenantPolicy, nbytes: int) -> None:
 class Account:
     """One tenant's share of a ledger."""
 
-    __slots__ = ("held", "in_flight", "last", "name", "policy", "served", "vt", "waiting", "waiting_bytes")
+    __slots__ = ("credit", "held", "in_flight", "last", "name", "policy", "served", "vt", "waiting", "waiting_bytes")
 
     def __init__(self, name: str, policy: TenantPolicy, now: float) -> None:
         self.name = name
@@ -49,6 +50,8 @@ class Account:
         #: Byte-seconds held up to ``last``.
         self.served = 0.0
         self.last = now
+        #: How far its ``vt`` was below the others' when its last waiter left (0 if not below).
+        self.credit = 0.0
 
     def vt_at(self, now: float) -> float:
         """The virtual time at ``now``, without bringing it up to date (so the stored value only
@@ -113,24 +116,34 @@ class FairShare:
         self._touch(account, now)
 
     def queued(self, name: str, nbytes: int, now: float) -> None:
-        """A waiter joins; the tenant's first one lifts its virtual time (no credit banked while idle)."""
+        """A waiter joins; the tenant's first one lifts its virtual time (no credit banked without waiters)."""
         account = self.account(name, now)
         if not account.waiting:
             account.advance(now)
-            waiting = [a.vt_at(now) for a in self.active.values() if a.waiting and a is not account]
-            floor = waiting or [a.vt_at(now) for a in self.active.values() if a.in_flight and a is not account]
-            if floor:
-                account.vt = max(account.vt, min(floor))
+            floor = self._floor(account, now)
+            if floor is not None and floor - account.credit > account.vt:
+                account.vt = floor - account.credit
         account.waiting += 1
         account.waiting_bytes += nbytes
         self._touch(account, now)
 
     def left(self, name: str, nbytes: int, now: float) -> None:
-        """A waiter left the queue (admitted, timed out or cancelled)."""
+        """A waiter left the queue (admitted, timed out or cancelled); the last one records the credit."""
         account = self.account(name, now)
         account.waiting -= 1
         account.waiting_bytes -= nbytes
+        if not account.waiting:
+            floor = self._floor(account, now)
+            account.credit = 0.0
+            if floor is not None and floor - account.vt_at(now) > 0:
+                account.credit = floor - account.vt_at(now)
         self._touch(account, now)
+
+    def _floor(self, account: Account, now: float) -> float | None:
+        """The lowest ``vt`` of the other tenants that wait (of those that hold, when none waits)."""
+        waiting = [a.vt_at(now) for a in self.active.values() if a.waiting and a is not account]
+        floor = waiting or [a.vt_at(now) for a in self.active.values() if a.in_flight and a is not account]
+        return min(floor) if floor else None
 
     def _touch(self, account: Account, now: float) -> None:
         if account.idle:

@@ -16,8 +16,8 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
 - ``boot``     hash: ``id`` of this Redis dataset (set when a script finds none), ``warm`` until when
   grants pause after a data loss
 - ``tenants``  set of the tenants that hold or wait; each has a hash ``tenants:<name>``: ``held``,
-  ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt`` and ``served`` (floats written with
-  ``%.17g``, so they read back exactly), ``last`` (ms). An idle tenant's hash expires after the
+  ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt``, ``served`` and ``credit`` (floats
+  written with ``%.17g``, so they read back exactly), ``last`` (ms). An idle tenant's hash expires after the
   ledger's ``tenant_idle_ttl`` (``PEXPIRE`` when it becomes idle, ``PERSIST`` when it is used again)
 - ``holder``   hash, lease id → tenant
 
@@ -113,18 +113,20 @@ end
 
 -- Tenants' accounts: the same fields and arithmetic as gpu_asgi/_fair_share.py.
 local function account(t)
-  local r = redis.call('HMGET', K_TEN .. ':' .. t, 'held', 'inflight', 'waiting', 'wbytes', 'vt', 'served', 'last')
+  local r = redis.call('HMGET', K_TEN .. ':' .. t, 'held', 'inflight', 'waiting', 'wbytes', 'vt', 'served', 'last',
+    'credit')
   local policy = cfg.tenants[t] or cfg.default
   return {name = t, weight = policy[1], quota = policy[2], held = tonumber(r[1] or '0'),
     inflight = tonumber(r[2] or '0'), waiting = tonumber(r[3] or '0'), wbytes = tonumber(r[4] or '0'),
-    vt = tonumber(r[5] or '0'), served = tonumber(r[6] or '0'), last = tonumber(r[7] or now)}
+    vt = tonumber(r[5] or '0'), served = tonumber(r[6] or '0'), last = tonumber(r[7] or now),
+    credit = tonumber(r[8] or '0')}
 end
 
 local function save(a)
   local key = K_TEN .. ':' .. a.name
   redis.call('HSET', key, 'held', int(a.held), 'inflight', int(a.inflight), 'waiting', int(a.waiting),
     'wbytes', int(a.wbytes), 'vt', string.format('%.17g', a.vt), 'served', string.format('%.17g', a.served),
-    'last', int(a.last))
+    'last', int(a.last), 'credit', string.format('%.17g', a.credit))
   if a.inflight > 0 or a.waiting > 0 then
     redis.call('PERSIST', key)
     redis.call('SADD', K_TEN, a.name)
@@ -156,25 +158,42 @@ local function tenant_holds(t, n, leases)
   save(a)
 end
 
--- A waiter joins; the tenant's first one lifts its virtual time to the lowest of those waiting
--- (of those holding bytes when nobody waits): no credit is banked while idle.
+-- The lowest virtual time of the other tenants that wait (of those that hold, when none waits).
+local function floor_for(t)
+  local waiting, holding = nil, nil
+  for _, other in ipairs(redis.call('SMEMBERS', K_TEN)) do
+    if other ~= t then
+      local b = account(other)
+      local v = vt_at(b)
+      if b.waiting > 0 and (waiting == nil or v < waiting) then waiting = v end
+      if b.inflight > 0 and (holding == nil or v < holding) then holding = v end
+    end
+  end
+  return waiting or holding
+end
+
+-- A waiter joins; the tenant's first one lifts its virtual time to that floor less the credit it
+-- had when its last waiter left: it keeps its standing, and gains none while it has no waiters.
 local function tenant_queued(t, n)
   local a = account(t)
   if a.waiting == 0 then
     advance(a)
-    local waiting, holding = nil, nil
-    for _, other in ipairs(redis.call('SMEMBERS', K_TEN)) do
-      if other ~= t then
-        local b = account(other)
-        local v = vt_at(b)
-        if b.waiting > 0 and (waiting == nil or v < waiting) then waiting = v end
-        if b.inflight > 0 and (holding == nil or v < holding) then holding = v end
-      end
-    end
-    local floor = waiting or holding
-    if floor and floor > a.vt then a.vt = floor end
+    local floor = floor_for(t)
+    if floor and floor - a.credit > a.vt then a.vt = floor - a.credit end
   end
   a.waiting, a.wbytes = a.waiting + 1, a.wbytes + n
+  save(a)
+end
+
+-- A waiter left (admitted, timed out, cancelled); the tenant's last one records its credit.
+local function tenant_left(t, n)
+  local a = account(t)
+  a.waiting, a.wbytes = math.max(0, a.waiting - 1), math.max(0, a.wbytes - n)
+  if a.waiting == 0 then
+    local floor = floor_for(t)
+    a.credit = 0
+    if floor and floor - vt_at(a) > 0 then a.credit = floor - vt_at(a) end
+  end
   save(a)
 end
 
@@ -235,9 +254,7 @@ local function drop_ticket(id)
   if redis.call('HINCRBY', K_COUNT, 'bytes:' .. w.l, int(-tonumber(w.n))) <= 0 then
     redis.call('HDEL', K_COUNT, 'bytes:' .. w.l)
   end
-  local a = account(w.t or cfg.unnamed)  -- a ticket of an older version names no tenant
-  a.waiting, a.wbytes = math.max(0, a.waiting - 1), math.max(0, a.wbytes - tonumber(w.n))
-  save(a)
+  tenant_left(w.t or cfg.unnamed, tonumber(w.n))  -- a ticket of an older version names no tenant
   return true
 end
 
