@@ -359,7 +359,7 @@ async def redis_rows(
             finally:
                 await ledger.aclose()
         rows.append(row(f"RedisLedger (real time x{scale:g})", load, max_queue, fair, runs[True], runs[False]))
-        results.append({"ledger": "redis", "load": load, "max_queue": max_queue, "fair": fair,
+        results.append({"ledger": "redis", "requests": len(arrivals), "load": load, "max_queue": max_queue, "fair": fair,
                         "present": runs[True], "absent": runs[False]})
     return rows, results
 
@@ -387,8 +387,8 @@ def main() -> None:
                 present = simulate(fresh(arrivals, True), budget, fair, max_queue, args.max_wait)
                 absent = simulate(fresh(arrivals, False), budget, fair, max_queue, args.max_wait)
                 rows.append(row("Ledger (virtual time)", load, max_queue, fair, present, absent))
-                results.append({"ledger": "memory", "load": load, "max_queue": max_queue, "fair": fair,
-                                "present": present, "absent": absent})
+                results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": max_queue,
+                                "fair": fair, "present": present, "absent": absent})
     if args.redis_requests:
         from tests._redis import RedisServer
 
@@ -400,6 +400,8 @@ def main() -> None:
                     present = simulate(fresh(arrivals, True), budget, fair, queues[0], args.max_wait)
                     absent = simulate(fresh(arrivals, False), budget, fair, queues[0], args.max_wait)
                     rows.append(row(f"Ledger (virtual time, {len(arrivals)} requests)", load, queues[0], fair, present, absent))
+                    results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": queues[0],
+                                    "fair": fair, "present": present, "absent": absent})
                 more_rows, more = asyncio.run(
                     redis_rows(server.url, arrivals, budget, load, queues[0], args.max_wait, args.time_scale)
                 )
