@@ -212,6 +212,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self.waiting: dict[int, tuple[int, tuple[str, ...] | None, int]] = {}  # arrival -> request
         self.tenant_of: dict[int, str] = {}
         self.clock = Clock()
+        #: When the ledgers last decided (time passing alone decides nothing).
+        self.decided_at = self.clock.now
         self.tenants: dict[str, TenantPolicy] = {}
 
     @initialize(
@@ -230,7 +232,10 @@ class LedgerMachine(RuleBasedStateMachine):
     def backends(self) -> list[Any]:
         return [self.memory] if self.redis is None else [self.memory, self.redis]
 
-    def compare(self) -> None:
+    def compare(self, decided: bool = True) -> None:
+        """``decided``: the step ran a dispatch (time-dependent order is read then)."""
+        if decided:
+            self.decided_at = self.clock.now
         memory = self.memory.placements()
         if self.redis is not None:
             assert self.redis.placements() == memory, "the two ledgers admitted differently"
@@ -253,7 +258,20 @@ class LedgerMachine(RuleBasedStateMachine):
         assert len(set(states)) == 1, f"arrival {self.arrivals} ({nbytes} B): {states}"
         if states[0] == "queued":
             self.waiting[self.arrivals] = (nbytes, devices, priority)
-        self.compare()
+        self.compare(decided=states[0] != "full")  # refused before any dispatch
+
+    @rule(
+        burst=st.lists(
+            st.tuples(SIZES, st.integers(0, len(DEVICE_CHOICES) - 1), PRIORITIES, st.sampled_from(TENANTS)),
+            min_size=2,
+            max_size=5,
+        )
+    )
+    def arrive_together(self, burst: list[tuple[int, int, int, str]]) -> None:
+        """Several tenants arriving at once: they compete for the same release, so the order of
+        virtual times decides who goes first."""
+        for nbytes, choice, priority, tenant in burst:
+            self.arrive(nbytes, choice, priority, tenant)
 
     @rule(nbytes=st.integers(101, 1000))
     def arrive_too_large(self, nbytes: int) -> None:
@@ -279,6 +297,8 @@ class LedgerMachine(RuleBasedStateMachine):
     def shrink(self, index: int, keep: float) -> None:
         arrival = sorted(self.memory.held)[index % len(self.memory.held)]
         nbytes = int(self.memory.held[arrival].nbytes * keep)
+        if nbytes == self.memory.held[arrival].nbytes:
+            return  # gives nothing back: neither ledger is told (RedisLedger calls no script)
         for backend in self.backends():
             backend.shrink(arrival, nbytes)
         self.compare()
@@ -323,10 +343,12 @@ class LedgerMachine(RuleBasedStateMachine):
     def no_head_that_could_be_admitted_waits(self) -> None:
         """Of the lane heads within their tenant's quota, the first by (virtual time, arrival) has
         nothing ahead of it that could claim a device: it waits only if it fits on none of its
-        devices. (A waiter that is no lane head waits behind its lane's head, by design.)"""
+        devices. (A waiter that is no lane head waits behind its lane's head, by design.)
+        Virtual times as of the last decision: the ledgers decide at arrivals, releases, shrinks
+        and departures, not while time merely passes (docs/admission.md)."""
         if not hasattr(self, "memory") or not self.waiting:
             return
-        ledger, now = self.memory.ledger, self.clock.now
+        ledger, now = self.memory.ledger, self.decided_at
         accounts = ledger._fair.accounts
         heads = [next(iter(lane.values())) for lane in ledger._lanes.values()]
         heads = [h for h in heads if accounts[h.tenant].fits(h.nbytes)]
