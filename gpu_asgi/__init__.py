@@ -18,6 +18,7 @@ from ._errors import (
     InvalidField,
     InvalidHeader,
     InvalidJSON,
+    InvalidTenant,
     LedgerUnavailable,
     NeverFits,
     OverTenantQuota,
@@ -46,6 +47,7 @@ from ._sampler import DeviceSampler, DeviceSnapshot
 from ._tagging import RouteSpec, gpu_bound
 from ._telemetry import Phase, gpu_phase
 from ._tenancy import DEFAULT_TENANT, TenantPolicy, TenantStatistics
+from ._tenants import TenantKey, api_key_tenant
 from ._tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "InvalidField",
     "InvalidHeader",
     "InvalidJSON",
+    "InvalidTenant",
     "Ledger",
     "LedgerStatistics",
     "LedgerUnavailable",
@@ -93,12 +96,14 @@ __all__ = [
     "QueueTimeout",
     "Reservation",
     "RouteSpec",
+    "TenantKey",
     "TenantPolicy",
     "TenantStatistics",
     "ThermalPolicy",
     "TokenCounter",
     "TorchProbe",
     "UnsupportedMediaType",
+    "api_key_tenant",
     "auto_probe",
     "budget_bytes",
     "calibrate",

@@ -10,7 +10,7 @@ import asyncio
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._deadlines import Deadlines
@@ -41,6 +41,8 @@ class ParsedRequest:
     n: int
     #: True when the body asks for sampling, False for greedy decoding, None when it does not say.
     sampling: bool | None = None
+    #: The parsed JSON object, for what else reads the body (a tenant key).
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 def check_headers(scope: Scope, max_bytes: int) -> bytes | None:
@@ -117,7 +119,7 @@ def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str] | None 
     """
     data = _load_json(body)
     prompts = _extract_prompts(data, spec, route)
-    return ParsedRequest(prompts, _max_new_tokens(data, spec), _n(data, spec), _sampling(data))
+    return ParsedRequest(prompts, _max_new_tokens(data, spec), _n(data, spec), _sampling(data), data)
 
 
 def _sampling(data: dict[str, Any]) -> bool | None:

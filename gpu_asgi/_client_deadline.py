@@ -11,9 +11,12 @@ import math
 from ._drain import MIN_RETRY_AFTER
 from ._errors import DeadlineUnmeetable
 from ._ledger import BudgetLedger
+from ._tenancy import DEFAULT_TENANT
 
 
-def queue_timeout(ledger: BudgetLedger, nbytes: int, priority: int, wait_limit: float) -> float:
+def queue_timeout(
+    ledger: BudgetLedger, nbytes: int, priority: int, wait_limit: float, tenant: str = DEFAULT_TENANT
+) -> float:
     """The queue timeout of a request that must queue and waits at most ``wait_limit`` seconds,
     or :class:`DeadlineUnmeetable` when the predicted wait is longer.
 
@@ -22,7 +25,7 @@ def queue_timeout(ledger: BudgetLedger, nbytes: int, priority: int, wait_limit: 
     cannot be told from a shorter wait, so it never refuses either.
     """
     if ledger.statistics().release_rate_bytes_per_second > 0:
-        predicted = ledger.retry_after(nbytes, priority=priority)
+        predicted = ledger.retry_after(nbytes, priority=priority, tenant=tenant)
         if predicted > wait_limit and predicted > MIN_RETRY_AFTER:
             raise DeadlineUnmeetable(
                 f"The predicted wait for GPU memory is {predicted:.3g} s; this request waits at most {wait_limit:g} s.",

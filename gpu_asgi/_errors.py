@@ -55,6 +55,13 @@ class InvalidHeader(GPUAdmissionError):
     status, reason, title = 400, "invalid-header", "A request header is invalid"
 
 
+class InvalidTenant(GPUAdmissionError):
+    """The tenant key of the request (a header, a body field or the tenant callable) cannot be used:
+    too long, or with control characters. The problem names the ``header`` or ``field``."""
+
+    status, reason, title = 400, "invalid-tenant", "The request's tenant key is invalid"
+
+
 class InvalidField(BodyError):
     """A field is missing, of the wrong type or out of range."""
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
-from ._ledger import BudgetLedger
+from ._ledger import BudgetLedger, LedgerStatistics
 from ._sampler import DeviceSampler
 from ._telemetry import ADMITTED
+from ._tenancy import DEFAULT_TENANT
+from ._tenants import OTHER_TENANT_LABEL, tenant_label
 
 PROMETHEUS_MISSING = "gpu_asgi's Prometheus metrics need prometheus-client: pip install 'gpu_asgi[prometheus]'."
 DEFAULT_NAMESPACE = "gpu_asgi"
@@ -32,6 +34,18 @@ LEDGER_GAUGES = (
     ("in_flight_requests", "Admitted requests still holding a reservation.", ("device",), "ledger"),
     ("reserved_bytes", "Bytes reserved by admitted requests.", ("device",), "ledger"),
     ("capacity_bytes", "The device's byte budget.", ("device",), "ledger"),
+)
+#: Per tenant, from ``ledger.statistics().tenants``; ``tenant`` is a tenant named in advance,
+#: ``default`` or ``other`` (every other tenant, summed). Shares are of the tenants present now.
+TENANT_GAUGES = (
+    ("tenant_reserved_bytes", "Bytes reserved by the tenant's admitted requests.", ("tenant",), "ledger"),
+    ("tenant_waiting_requests", "The tenant's requests waiting for GPU memory.", ("tenant",), "ledger"),
+    ("tenant_served_byte_seconds", "Bytes x seconds the tenant has held (the work the fair share divides).",
+     ("tenant",), "ledger"),
+    ("tenant_weight_share_ratio",
+     "The tenant's weight over the weights of all tenants holding or waiting for bytes: its fair share (0-1).",
+     ("tenant",), "livemax"),
+    ("tenant_reserved_share_ratio", "The tenant's part of all reserved bytes now (0-1).", ("tenant",), "livemax"),
 )
 DEVICE_GAUGES = (
     (
@@ -79,9 +93,15 @@ class GPUMetrics:
         multiprocess: bool | None = None,
         shared_ledger: bool = False,
         refresh_interval: float = DEFAULT_REFRESH_INTERVAL,
+        tenant_labels: Collection[str] | None = None,
     ) -> None:
         prom = _prometheus()
         self.ledger = ledger
+        #: Tenants the per-tenant gauges name; any other is summed into "other". Default: the
+        #: ledger's configured tenants (as the middleware's ``tenant_labels``).
+        self.tenant_labels: Collection[str] = (
+            (getattr(ledger, "tenants", {}) if ledger is not None else ()) if tenant_labels is None else frozenset(tenant_labels)
+        )
         self.sampler = sampler
         self.namespace = namespace
         self.multiprocess = multiprocess_enabled() if multiprocess is None else multiprocess
@@ -102,6 +122,22 @@ class GPUMetrics:
             buckets=WAIT_BUCKETS,
             **common,
         )
+        # Per tenant: separate series, so the existing ones keep their labels; recorded only when
+        # the middleware has a tenant key. ``tenant`` is already bounded (see tenant_label).
+        self.tenant_admitted = prom.Counter(
+            "tenant_admitted", "Requests admitted, by tenant.", ["tenant"], **common
+        )
+        self.tenant_rejected = prom.Counter(
+            "tenant_rejected", "Requests refused by the ledger or timed out in its queue, by tenant and reason.",
+            ["tenant", "reason"], **common
+        )
+        self.tenant_queue_wait = prom.Histogram(
+            "tenant_queue_wait_seconds",
+            "Time from arrival at the ledger to its decision, by tenant and outcome.",
+            ["tenant", "outcome"],
+            buckets=WAIT_BUCKETS,
+            **common,
+        )
         self.peak_ratio = prom.Histogram(
             "peak_estimate_ratio",
             "Measured peak bytes / estimated bytes, as reported by the endpoint.",
@@ -112,13 +148,14 @@ class GPUMetrics:
         self._gauges: dict[str, Any] = {}
         self._refresher: asyncio.Task[None] | None = None
         if self.multiprocess:
-            for name, help_text, labels, mode in (*LEDGER_GAUGES, *DEVICE_GAUGES):
+            for name, help_text, labels, mode in (*LEDGER_GAUGES, *TENANT_GAUGES, *DEVICE_GAUGES):
                 if mode == "ledger":
                     mode = "livemax" if shared_ledger else "livesum"
                 self._gauges[name] = prom.Gauge(name, help_text, labels, multiprocess_mode=mode, **common)
         else:
             self.registry.register(_StateCollector(self))
-        self._children: dict[tuple[str, str], Any] = {}
+        self._children: dict[tuple[str, ...], Any] = {}
+        self._tenants_seen = False  # the ledger has reported a tenant: sample every tenant label from now on
 
     def __repr__(self) -> str:
         mode = "multiprocess" if self.multiprocess else "single process"
@@ -126,19 +163,28 @@ class GPUMetrics:
 
     # -- called by the middleware (cheap: cached label children) -----------------------------
 
-    def _child(self, metric: Any, kind: str, label: str) -> Any:
-        key = (kind, label)
+    def _child(self, metric: Any, kind: str, *labels: str) -> Any:
+        key = (kind, *labels)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(label)
+            child = self._children[key] = metric.labels(*labels)
         return child
 
-    def record_decision(self, outcome: str, *, device: str | None, reason: str | None, wait_seconds: float) -> None:
+    def record_decision(
+        self, outcome: str, *, device: str | None, reason: str | None, wait_seconds: float, tenant: str | None = None
+    ) -> None:
+        """``tenant`` is the bounded label (:func:`tenant_label`), or None when tenants are off."""
         self._child(self.queue_wait, "wait", outcome).observe(wait_seconds)
         if outcome == ADMITTED:
             self._child(self.admitted, "admitted", device or "").inc()
         elif reason is not None:
             self._child(self.rejected, "rejected", reason).inc()
+        if tenant is not None:
+            self._child(self.tenant_queue_wait, "tenant_wait", tenant, outcome).observe(wait_seconds)
+            if outcome == ADMITTED:
+                self._child(self.tenant_admitted, "tenant_admitted", tenant).inc()
+            elif reason is not None:
+                self._child(self.tenant_rejected, "tenant_rejected", tenant, reason).inc()
 
     def record_rejection(self, reason: str) -> None:
         """A request answered before it reached the ledger (body errors)."""
@@ -163,6 +209,7 @@ class GPUMetrics:
             values["in_flight_requests"] = [((d.name,), d.in_flight) for d in stats.devices]
             values["reserved_bytes"] = [((d.name,), d.reserved_bytes) for d in stats.devices]
             values["capacity_bytes"] = [((d.name,), d.capacity_bytes) for d in stats.devices]
+            values.update(self._tenant_samples(stats))
         if self.sampler is not None:
             snapshot = self.sampler.snapshot
             fields = {
@@ -179,9 +226,39 @@ class GPUMetrics:
                 ]
             fresh = snapshot.fresh(self.sampler.clock(), 3 * self.sampler.interval)
             values["device_probe_up"] = [((), 1.0 if fresh else 0.0)]
-        for name, help_text, labels, _ in (*LEDGER_GAUGES, *DEVICE_GAUGES):
+        for name, help_text, labels, _ in (*LEDGER_GAUGES, *TENANT_GAUGES, *DEVICE_GAUGES):
             if name in values:
                 yield name, help_text, labels, values[name]
+
+    def _tenant_samples(self, stats: LedgerStatistics) -> dict[str, list[tuple[tuple[str, ...], float]]]:
+        """The per-tenant gauges, tenants not named in advance summed under ``other``.
+
+        Once the ledger has reported a tenant, every label is sampled every time, 0 when nobody
+        holds or waits under it: in multiprocess mode a label left out would keep its last value.
+        """
+        if not stats.tenants and not self._tenants_seen:
+            return {}
+        self._tenants_seen = True
+        # label -> [reserved, waiting, served, weight of those holding or waiting]
+        labels = (*self.tenant_labels, DEFAULT_TENANT, OTHER_TENANT_LABEL)
+        sums: dict[str, list[float]] = {label: [0.0, 0.0, 0.0, 0.0] for label in labels}
+        for t in stats.tenants:
+            row = sums[tenant_label(t.name, self.tenant_labels)]
+            row[0] += t.reserved_bytes
+            row[1] += t.waiting
+            row[2] += t.served_byte_seconds
+            if t.in_flight or t.waiting:
+                row[3] += t.weight
+        reserved = sum(row[0] for row in sums.values())
+        weights = sum(row[3] for row in sums.values())
+        samples: dict[str, list[tuple[tuple[str, ...], float]]] = {name: [] for name, *_ in TENANT_GAUGES}
+        for label, (held, waiting, served, weight) in sums.items():
+            samples["tenant_reserved_bytes"].append(((label,), held))
+            samples["tenant_waiting_requests"].append(((label,), waiting))
+            samples["tenant_served_byte_seconds"].append(((label,), served))
+            samples["tenant_weight_share_ratio"].append(((label,), weight / weights if weights else 0.0))
+            samples["tenant_reserved_share_ratio"].append(((label,), held / reserved if reserved else 0.0))
+        return samples
 
     def refresh(self) -> None:
         """Multiprocess mode: copy the current state into this worker's gauges (on the event loop)."""

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,8 @@ from ._problems import send_problem
 from ._responder import Responder, caused_by_answer
 from ._sampler import DeviceSampler
 from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes
+from ._tenancy import DEFAULT_TENANT
+from ._tenants import TenantKey, find_tenant, tenant_keys, tenant_label
 from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens_in_thread
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
@@ -87,6 +89,11 @@ class Admission:
     def device(self) -> str:
         return self.reservation.device
 
+    @property
+    def tenant(self) -> str:
+        """Whom the bytes were reserved for (``"default"`` when no tenant key found one)."""
+        return self.reservation.tenant
+
     def report_peak_bytes(self, nbytes: int) -> None:
         """Report the request's measured peak bytes: to the estimate-versus-actual metric, and to
         the estimator when it learns (an ``observe`` method, as ``CalibratedEstimator`` has)."""
@@ -129,6 +136,8 @@ class GPUAdmissionMiddleware:
         thermal: ThermalPolicy | None = None,
         device_guard: DeviceGuard | None = None,
         openai_errors: bool = False,
+        tenant_key: TenantKey | Sequence[TenantKey] | None = None,
+        tenant_labels: Collection[str] | None = None,
     ) -> None:
         if reject_status not in (429, 503):
             raise ValueError("reject_status must be 429 or 503")
@@ -153,6 +162,13 @@ class GPUAdmissionMiddleware:
         self.thermal = thermal
         self.device_guard = device_guard
         self.openai_errors = openai_errors  # a route's own RouteSpec.openai_errors wins
+        #: Where a request's tenant is read, tried in order (a route's own RouteSpec.tenant_key wins).
+        self.tenant_key = tenant_keys(tenant_key)
+        #: Tenants that spans and metrics name; any other is "other". Default: the ledger's
+        #: configured tenants (read live, so tenants added to the ledger later are named too).
+        self._tenant_labels: Collection[str] = (
+            getattr(ledger, "tenants", {}) if tenant_labels is None else frozenset(tenant_labels)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -262,6 +278,12 @@ class GPUAdmissionMiddleware:
             batch = len(prompts) * request.n
             estimator = spec.estimator or self.estimator
             nbytes = estimator.estimate(prompt_tokens, max_new_tokens, batch, sampling=request.sampling)
+            keys = self.tenant_key if spec.tenant_key is None else spec.tenant_key
+            # Tenants off (no key anywhere): no work, and no tenant label on spans or metrics.
+            tenant, label = DEFAULT_TENANT, None
+            if keys:
+                tenant = find_tenant(keys, scope, request.data)  # type: ignore[arg-type]  # a tuple since RouteSpec.__post_init__
+                label = tenant_label(tenant, self._tenant_labels)
         except GPUAdmissionError as error:
             if metrics is not None:
                 metrics.record_rejection(error.reason)
@@ -270,11 +292,11 @@ class GPUAdmissionMiddleware:
         span = self._tracer.start_span(otel.QUEUE_WAIT_SPAN)  # not made current: the endpoint's spans are siblings
         if span.is_recording():
             attributes = otel.queue_wait_attributes(
-                prompt_tokens, max_new_tokens, nbytes, batch, spec.priority, clamped_from
+                prompt_tokens, max_new_tokens, nbytes, batch, spec.priority, clamped_from, label
             )
             span.set_attributes(attributes)
         try:
-            reservation, pending = await self._reserve(span, nbytes, spec, receive, wait_limit)
+            reservation, pending = await self._reserve(span, nbytes, spec, receive, wait_limit, tenant, label)
         except GPUAdmissionError as error:
             await self._answer(send, scope, error, spec)
             return None
@@ -315,9 +337,18 @@ class GPUAdmissionMiddleware:
         return getattr(self.ledger, "max_wait", math.inf)
 
     async def _reserve(
-        self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive, wait_limit: float | None
+        self,
+        span: Span,
+        nbytes: int,
+        spec: RouteSpec,
+        receive: Receive,
+        wait_limit: float | None,
+        tenant: str = DEFAULT_TENANT,
+        label: str | None = None,
     ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
-        """Reserve (or queue for) the bytes, then ask the device guard, if any.
+        """Reserve (or queue for) the bytes for ``tenant``, then ask the device guard, if any.
+
+        ``label`` is the tenant as metrics name it (None: tenants are off).
 
         Returns what :meth:`_wait` returns, or raises the rejection. Whatever happens, the
         queue-wait span ends and the decision is counted in ``finally``.
@@ -325,20 +356,22 @@ class GPUAdmissionMiddleware:
         outcome, reason, device, depth, started = otel.CANCELLED, None, None, 0, 0.0
         pending: asyncio.Future[Message] | None = None
         try:
-            devices = spec.devices if self.device_guard is None else self._trusted_devices(spec, nbytes)
-            reservation = self.ledger.try_reserve(nbytes, devices=devices)
+            devices = spec.devices if self.device_guard is None else self._trusted_devices(spec, nbytes, tenant)
+            reservation = self.ledger.try_reserve(nbytes, devices=devices, tenant=tenant)
             if reservation is None:
-                timeout = None if wait_limit is None else queue_timeout(self.ledger, nbytes, spec.priority, wait_limit)
+                timeout = (
+                    None if wait_limit is None else queue_timeout(self.ledger, nbytes, spec.priority, wait_limit, tenant)
+                )
                 # Requests whose reserve() task has not run yet are not in the ledger's count: ours covers them.
                 depth = max(self.ledger.statistics().waiting, self._queued)
                 self._queued += 1
                 started = time.perf_counter()
-                reservation, pending = await self._wait(nbytes, devices, spec.priority, receive, timeout)
+                reservation, pending = await self._wait(nbytes, devices, spec.priority, receive, timeout, tenant)
                 if reservation is None:
                     outcome = otel.DISCONNECTED
                     return None, None
                 if self.device_guard is not None:  # readings may have changed while it waited
-                    self._check_device(reservation, nbytes)
+                    self._check_device(reservation, nbytes, tenant)
             device = reservation.device
             outcome = otel.ADMITTED
             return reservation, pending
@@ -355,9 +388,9 @@ class GPUAdmissionMiddleware:
                 waited = time.perf_counter() - started
             otel.end_queue_wait(span, outcome, device=device, queue_depth=depth, wait_seconds=waited, reason=reason)
             if self.metrics is not None:
-                self.metrics.record_decision(outcome, device=device, reason=reason, wait_seconds=waited)
+                self.metrics.record_decision(outcome, device=device, reason=reason, wait_seconds=waited, tenant=label)
 
-    def _trusted_devices(self, spec: RouteSpec, nbytes: int) -> tuple[str, ...]:
+    def _trusted_devices(self, spec: RouteSpec, nbytes: int, tenant: str) -> tuple[str, ...]:
         """Trust the device: the route's devices whose sampled free memory can take ``nbytes``.
 
         The ledger then places the request only on those, so a device that another process has
@@ -377,11 +410,11 @@ class GPUAdmissionMiddleware:
         # with Retry-After), never the ledger's "waiting cannot help" (413) about the rest.
         every = spec.devices or self.ledger.devices
         if refusal is not None and (not trusted or _largest(self.ledger, trusted) < nbytes <= _largest(self.ledger, every)):
-            refusal.retry_after = self.ledger.retry_after(nbytes)
+            refusal.retry_after = self.ledger.retry_after(nbytes, tenant=tenant)
             raise refusal
         return tuple(trusted)
 
-    def _check_device(self, reservation: Reservation, nbytes: int) -> None:
+    def _check_device(self, reservation: Reservation, nbytes: int, tenant: str) -> None:
         """After a wait in the queue: give the bytes back and refuse when the granted device's
         sampled free memory has fallen too low meanwhile."""
         guard, sampler = self.device_guard, self.sampler
@@ -389,7 +422,7 @@ class GPUAdmissionMiddleware:
         error = guard.refusal(reservation.device, nbytes, sampler.snapshot, sampler.clock())
         if error is not None:
             reservation.release()
-            error.retry_after = self.ledger.retry_after(nbytes)
+            error.retry_after = self.ledger.retry_after(nbytes, tenant=tenant)
             raise error
 
     async def _wait(
@@ -399,13 +432,16 @@ class GPUAdmissionMiddleware:
         priority: int,
         receive: Receive,
         timeout: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
         """Queue for the bytes while listening for a disconnect.
 
         Returns the reservation and the still-pending ``receive()`` (handed on to the endpoint so
         no message is lost), or ``(None, None)`` when the client disconnected first.
         """
-        reserving = asyncio.ensure_future(self.ledger.reserve(nbytes, devices=devices, priority=priority, timeout=timeout))
+        reserving = asyncio.ensure_future(
+            self.ledger.reserve(nbytes, devices=devices, priority=priority, timeout=timeout, tenant=tenant)
+        )
         listening: asyncio.Future[Message] = asyncio.ensure_future(receive())
         try:
             while True:

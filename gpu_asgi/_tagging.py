@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from ._estimate import Estimator, check_estimator
 from ._ledger import check_priority
+from ._tenants import TenantKey, tenant_keys
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
 DEFAULT_PROMPT_FIELDS = ("prompt", "messages")
@@ -58,6 +59,8 @@ class RouteSpec:
     #: ledger's ``max_wait``). With a deadline, a request whose predicted wait is longer is
     #: refused at once (``deadline-unmeetable``) instead of timing out in the queue.
     max_client_wait: float | None = None
+    #: Where this route's tenant is read (tried in order); None follows the middleware's ``tenant_key``.
+    tenant_key: TenantKey | Sequence[TenantKey] | None = None
 
     def __post_init__(self) -> None:
         if self.estimator is not None:
@@ -80,6 +83,8 @@ class RouteSpec:
         if self.max_client_wait is not None and not 0 < self.max_client_wait < math.inf:
             raise ValueError("max_client_wait must be a positive, finite number of seconds (or None)")
         check_priority(self.priority)  # refused when the route is declared, not on its first request
+        if self.tenant_key is not None:
+            object.__setattr__(self, "tenant_key", tenant_keys(self.tenant_key))
 
 
 def gpu_bound(
@@ -96,6 +101,7 @@ def gpu_bound(
     chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS,
     openai_errors: bool | None = None,
     max_client_wait: float | None = None,
+    tenant_key: TenantKey | Sequence[TenantKey] | None = None,
 ) -> Callable[[F], F]:
     """Tag an endpoint as GPU-bound. Returns the function itself, so decorator order is free."""
     spec = RouteSpec(
@@ -111,6 +117,7 @@ def gpu_bound(
         chat_template_tokens=chat_template_tokens,
         openai_errors=openai_errors,
         max_client_wait=max_client_wait,
+        tenant_key=tenant_key,
     )
 
     def decorate(endpoint: F) -> F:

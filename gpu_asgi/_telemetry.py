@@ -43,6 +43,8 @@ ADMISSION_OUTCOME = "gpu_asgi.admission.outcome"
 ADMISSION_REASON = "gpu_asgi.admission.reason"
 ADMISSION_WAIT_SECONDS = "gpu_asgi.admission.wait_seconds"
 ADMISSION_PRIORITY = "gpu_asgi.admission.priority"
+#: The request's tenant as metrics name it: a tenant named in advance, ``default`` or ``other``.
+ADMISSION_TENANT = "gpu_asgi.admission.tenant"
 #: ``max_new_tokens`` as the client asked, when the thermal policy lowered it.
 ADMISSION_REQUESTED_MAX_TOKENS = "gpu_asgi.admission.requested_max_tokens"
 DEVICE = "gpu_asgi.device"
@@ -89,7 +91,13 @@ _default_tracer = get_tracer()
 
 
 def queue_wait_attributes(
-    prompt_tokens: int, max_new_tokens: int, nbytes: int, batch: int, priority: int, clamped_from: int | None
+    prompt_tokens: int,
+    max_new_tokens: int,
+    nbytes: int,
+    batch: int,
+    priority: int,
+    clamped_from: int | None,
+    tenant: str | None = None,
 ) -> dict[str, Any]:
     """Set right after the span starts, and only when it records: free when tracing is off."""
     attributes: dict[str, Any] = {
@@ -101,6 +109,8 @@ def queue_wait_attributes(
     }
     if clamped_from is not None:
         attributes[ADMISSION_REQUESTED_MAX_TOKENS] = clamped_from
+    if tenant is not None:
+        attributes[ADMISSION_TENANT] = tenant
     return attributes
 
 

@@ -26,6 +26,7 @@ from gpu_asgi import (
     GPUMetrics,
     Ledger,
     LinearEstimator,
+    TenantPolicy,
     ThermalPolicy,
     gpu_bound,
     health_router,
@@ -130,7 +131,8 @@ def test_metric_names_follow_prometheus_conventions() -> None:
     sampler = DeviceSampler(OneGPU())
     sampler.sample()
     metrics = GPUMetrics(Ledger(10), sampler=sampler, registry=CollectorRegistry(), multiprocess=False)
-    metrics.record_decision("admitted", device="cuda:0", reason=None, wait_seconds=0.0)
+    metrics.record_decision("admitted", device="cuda:0", reason=None, wait_seconds=0.0, tenant="default")
+    metrics.record_decision("rejected", device=None, reason="queue-full", wait_seconds=0.0, tenant="other")
     metrics.record_rejection("queue-full")
     metrics.record_clamp()
     metrics.record_peak("cuda:0", 10, 9)
@@ -146,6 +148,9 @@ def test_metric_names_follow_prometheus_conventions() -> None:
         "gpu_asgi_max_new_tokens_clamped": "counter",
         "gpu_asgi_queue_wait_seconds": "histogram",
         "gpu_asgi_peak_estimate_ratio": "histogram",
+        "gpu_asgi_tenant_admitted": "counter",
+        "gpu_asgi_tenant_rejected": "counter",
+        "gpu_asgi_tenant_queue_wait_seconds": "histogram",
         "gpu_asgi_queue_depth": "gauge",
         "gpu_asgi_queue_bytes": "gauge",
         "gpu_asgi_in_flight_requests": "gauge",
@@ -234,9 +239,10 @@ def test_the_grafana_dashboard_queries_only_metrics_we_expose() -> None:
     dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
     sampler = DeviceSampler(OneGPU())
     sampler.sample()
-    metrics = GPUMetrics(Ledger(10), sampler=sampler, registry=CollectorRegistry(), multiprocess=False)
+    ledger = Ledger(10, tenants={"gold": TenantPolicy()})  # a configured tenant: the tenant gauges are there
+    metrics = GPUMetrics(ledger, sampler=sampler, registry=CollectorRegistry(), multiprocess=False)
     for outcome, reason in (("admitted", None), ("rejected", "queue-full")):
-        metrics.record_decision(outcome, device="cuda:0", reason=reason, wait_seconds=0.0)
+        metrics.record_decision(outcome, device="cuda:0", reason=reason, wait_seconds=0.0, tenant="gold")
     metrics.record_clamp()
     metrics.record_peak("cuda:0", 10, 9)
     exposed = {name for name, _ in samples(metrics.render()[0].decode())}

@@ -576,7 +576,7 @@ async def test_429_is_for_overload_only_an_outage_stays_503() -> None:
     from gpu_asgi import LedgerUnavailable
 
     class DownLedger(Ledger):
-        def try_reserve(self, nbytes: int, *, devices: Any = None) -> Reservation | None:
+        def try_reserve(self, nbytes: int, **options: Any) -> Reservation | None:
             return None
 
         async def reserve(self, nbytes: int, **options: Any) -> Reservation:

@@ -1,0 +1,418 @@
+"""Fair share between tenants on the simulated 24 GB GPU: one heavy tenant and four light ones.
+
+    python -m tests.benchmarks.bench_fairness [--requests 4000] [--loads 2.5,4.0] [--seed 7]
+                                              [--redis-requests 1500] [--time-scale 0.1]
+
+The device, model, cost model and request sizes are the overload benchmark's (``bench_overload``:
+``Simulation``, ``Request``, ``workload``). Each request is drawn for the heavy tenant with
+probability 10/14 and for each of the four light tenants with 1/14, so every tenant's arrivals are
+Poisson with the same size distribution and the heavy tenant offers 10x each light one's load;
+only the rate differs. "Heavy absent" replays the very same light requests without the heavy ones.
+
+Fair share on: each request reserves for its tenant, all five with weight 1. Off (the baseline):
+everyone is the one default tenant, so the ledger serves by arrival (and its bypass), not by tenant.
+
+Measured, per ledger, load and fair share on/off:
+- light tenants' p99 wait (admission - arrival) with the heavy tenant present and absent; a light
+  request that is refused or times out counts as an infinite wait (it is not served at all);
+- budget use while anyone waits: reserved / budget, time-weighted over the time the queue is non-empty;
+- OOM: a request whose real allocation exceeds the device's free memory (as in bench_overload);
+- while all five tenants have a request waiting: each tenant's share of the reserved bytes x
+  seconds against its weight's share (0.2 each), and Jain's fairness index over share / weight.
+
+Ledgers: the in-process ``Ledger`` in virtual time (deterministic), and the ``RedisLedger`` (a
+private redis-server) in real time with every duration scaled by ``--time-scale``, fewer requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import math
+import random
+import statistics
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_asgi import (
+    DEFAULT_TENANT,
+    AnalyticEstimator,
+    BudgetLedger,
+    GPUAdmissionError,
+    Ledger,
+    QueueTimeout,
+    TenantPolicy,
+    budget_bytes,
+)
+
+from ._report import table, write_report
+from .bench_overload import (
+    DEVICE_BYTES,
+    QWEN2_1_5B,
+    RUNTIME_OVERHEAD,
+    RUNTIME_OVERHEAD_REAL,
+    WEIGHTS_BYTES,
+    Request,
+    Simulation,
+    _pct,
+    workload,
+)
+
+HEAVY = "heavy"
+LIGHTS = ("light-1", "light-2", "light-3", "light-4")
+TENANTS = (HEAVY, *LIGHTS)
+HEAVY_FACTOR = 10  # the heavy tenant's offered load over each light tenant's
+REAL_FREE_BYTES = DEVICE_BYTES - WEIGHTS_BYTES - RUNTIME_OVERHEAD_REAL
+
+
+@dataclass(slots=True)
+class Arrival:
+    tenant: str
+    request: Request
+
+
+def tenant_workload(n: int, seed: int, estimator: AnalyticEstimator, load: float, budget: int) -> list[Arrival]:
+    """bench_overload's workload at ``load`` budgets of a *full* device, each request drawn for a
+    tenant (heavy: 10/14).
+
+    ``workload`` counts load with every request's service time on an idle device; on a full one a
+    decode step is slower (``Simulation.duration`` grows with the sequences running), so its "2.5x"
+    is several times more. Arrivals are spread by the factor the step grows by with as many
+    average requests running as fit the budget (about 3.6x here), so ``load`` is the bytes x
+    seconds the arrivals ask for over what a full device gives. Byte packing often runs more
+    (smaller) requests than that, which slows every step further: the report's measured overload
+    (offered over completed requests per second) is the figure to trust.
+    """
+    requests = workload(n, seed, estimator, load, budget)
+    sim = Simulation(budget)
+    idle = statistics.fmean(r.estimate * sim.duration(r) for r in requests)
+    sim.running = round(budget / statistics.fmean(r.estimate for r in requests))  # as many as fit, on average
+    stretch = statistics.fmean(r.estimate * sim.duration(r) for r in requests) / idle
+    for r in requests:
+        r.arrival *= stretch
+    rng = random.Random(seed * 7919 + 1)  # a separate draw: the sizes and arrivals are the overload ones
+    weights = [HEAVY_FACTOR] + [1] * len(LIGHTS)
+    return [Arrival(rng.choices(TENANTS, weights)[0], r) for r in requests]
+
+
+def fresh(arrivals: Sequence[Arrival], heavy: bool) -> list[Arrival]:
+    """A copy to run (requests carry their outcome), with or without the heavy tenant's requests."""
+    return [
+        Arrival(a.tenant, Request(a.request.arrival, a.request.prompt_tokens, a.request.max_new_tokens,
+                                  a.request.new_tokens, a.request.deadline, a.request.estimate, a.request.actual))
+        for a in arrivals
+        if heavy or a.tenant != HEAVY
+    ]
+
+
+@dataclass
+class Tracker:
+    """Time integrals of what the ledger holds, per tenant, kept from grants and releases."""
+
+    capacity: int
+    tenants: tuple[str, ...]
+    clock: Callable[[], float]
+    held: dict[str, int] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
+    last: float = 0.0
+    busy_area: float = 0.0  # integral of reserved / capacity while anyone waits
+    busy_time: float = 0.0
+    backlog_time: float = 0.0  # time during which every tenant has a request waiting
+    backlog_byte_seconds: dict[str, float] = field(default_factory=dict)
+    oom: int = 0
+    running: Callable[[], int] = lambda: 0  # sequences on the simulated device now
+    running_area: float = 0.0  # integral of that while anyone waits
+
+    def __post_init__(self) -> None:
+        for tenant in self.tenants:
+            self.held[tenant] = self.waiting[tenant] = 0
+            self.backlog_byte_seconds[tenant] = 0.0
+        self.last = self.clock()
+
+    def advance(self) -> None:
+        now = self.clock()
+        span = now - self.last
+        if span > 0:
+            if any(self.waiting.values()):
+                self.busy_area += span * sum(self.held.values()) / self.capacity
+                self.running_area += span * self.running()
+                self.busy_time += span
+            if all(self.waiting.values()):
+                self.backlog_time += span
+                for tenant, nbytes in self.held.items():
+                    self.backlog_byte_seconds[tenant] += span * nbytes
+        self.last = now
+
+    def change(self, tenant: str, *, waiting: int = 0, held: int = 0) -> None:
+        self.advance()
+        self.waiting[tenant] += waiting
+        self.held[tenant] += held
+
+
+def make_ledger(budget: int, fair: bool, max_queue: int, clock: Callable[[], float]) -> Ledger:
+    tenants = {t: TenantPolicy() for t in TENANTS} if fair else None
+    return Ledger(budget, max_queue=max_queue, max_wait=1e9, tenants=tenants, clock=clock)
+
+
+def simulate(arrivals: list[Arrival], budget: int, fair: bool, max_queue: int, max_wait: float) -> dict[str, Any]:
+    """The in-process ledger in virtual time (bench_overload's event loop: heap + a spun asyncio loop)."""
+    loop = asyncio.new_event_loop()
+    sim = Simulation(budget)
+    ledger = make_ledger(budget, fair, max_queue, lambda: sim.now)
+    present = tuple(sorted({a.tenant for a in arrivals}, key=TENANTS.index))
+    tracker = Tracker(budget, present, lambda: sim.now, running=lambda: sim.running)
+    tasks: dict[int, asyncio.Task[None]] = {}
+
+    def spin() -> None:
+        async def idle() -> None:
+            for _ in range(8):
+                await asyncio.sleep(0)
+        loop.run_until_complete(idle())
+
+    def finish(a: Arrival, release: Callable[[], object]) -> None:
+        r = a.request
+        sim.allocated -= r.actual
+        sim.running -= 1
+        r.finished, r.outcome = sim.now, "ok"
+        tracker.change(a.tenant, held=-r.estimate)
+        release()
+        spin()
+
+    async def admit(a: Arrival) -> None:
+        r = a.request
+        tracker.change(a.tenant, waiting=1)
+        try:
+            reservation = await ledger.reserve(r.estimate, tenant=a.tenant if fair else DEFAULT_TENANT)
+        except GPUAdmissionError:
+            r.outcome = "rejected"
+            return
+        finally:
+            tracker.change(a.tenant, waiting=-1)
+        r.admitted = sim.now
+        tracker.change(a.tenant, held=r.estimate)
+        if sim.allocated + r.actual > REAL_FREE_BYTES:
+            r.outcome, tracker.oom = "oom", tracker.oom + 1
+            tracker.change(a.tenant, held=-r.estimate)
+            reservation.release()
+            return
+        sim.allocated += r.actual
+        sim.running += 1
+        sim.at(sim.now + sim.duration(r), lambda: finish(a, reservation.release))
+
+    def arrive(index: int, a: Arrival) -> None:
+        tasks[index] = loop.create_task(admit(a))
+        spin()
+        sim.at(a.request.arrival + max_wait, lambda: timeout(index, a))
+
+    def timeout(index: int, a: Arrival) -> None:
+        if a.request.admitted is None and a.request.outcome == "pending":
+            a.request.outcome = "timeout"
+            tasks[index].cancel()
+            spin()
+
+    for index, a in enumerate(arrivals):
+        sim.at(a.request.arrival, lambda index=index, a=a: arrive(index, a))
+    while sim.events:
+        sim.now, _, action = heapq.heappop(sim.events)
+        action()
+    loop.close()
+    return summarize(arrivals, tracker)
+
+
+async def run_realtime(
+    ledger: BudgetLedger, arrivals: list[Arrival], budget: int, fair: bool, max_wait: float, scale: float
+) -> dict[str, Any]:
+    """Any ledger in real time: each request a task that sleeps to its arrival, reserves, holds
+    for its (scaled) service time and releases. Times are reported in unscaled seconds."""
+    loop = asyncio.get_running_loop()
+    start = loop.time() + 0.2  # room to create the tasks before the first arrival
+
+    def clock() -> float:
+        return (loop.time() - start) / scale
+
+    sim = Simulation(budget)  # only for its cost model: allocated, running, duration()
+    present = tuple(sorted({a.tenant for a in arrivals}, key=TENANTS.index))
+    tracker = Tracker(budget, present, clock, running=lambda: sim.running)
+
+    async def one(a: Arrival) -> None:
+        r = a.request
+        await asyncio.sleep(max(0.0, start + r.arrival * scale - loop.time()))
+        tracker.change(a.tenant, waiting=1)
+        try:
+            reservation = await ledger.reserve(
+                r.estimate, tenant=a.tenant if fair else DEFAULT_TENANT, timeout=max_wait * scale
+            )
+        except QueueTimeout:
+            r.outcome = "timeout"
+            return
+        except GPUAdmissionError:
+            r.outcome = "rejected"
+            return
+        finally:
+            tracker.change(a.tenant, waiting=-1)
+        r.admitted = clock()
+        tracker.change(a.tenant, held=r.estimate)
+        try:
+            if sim.allocated + r.actual > REAL_FREE_BYTES:
+                r.outcome, tracker.oom = "oom", tracker.oom + 1
+                return
+            sim.allocated += r.actual
+            sim.running += 1
+            try:
+                await asyncio.sleep(sim.duration(r) * scale)
+            finally:
+                sim.allocated -= r.actual
+                sim.running -= 1
+            r.finished, r.outcome = clock(), "ok"
+        finally:
+            tracker.change(a.tenant, held=-r.estimate)
+            reservation.release()
+
+    await asyncio.gather(*(one(a) for a in arrivals))
+    tracker.advance()
+    return summarize(arrivals, tracker)
+
+
+def jain(values: Sequence[float]) -> float:
+    """Jain's fairness index: 1 when all values are equal, 1/n when one has everything."""
+    total, squares = sum(values), sum(v * v for v in values)
+    return total * total / (len(values) * squares) if squares else float("nan")
+
+
+def summarize(arrivals: list[Arrival], tracker: Tracker) -> dict[str, Any]:
+    lights = [a.request for a in arrivals if a.tenant != HEAVY]
+    waits = sorted(math.inf if r.admitted is None else r.admitted - r.arrival for r in lights)
+    outcomes = {o: sum(a.request.outcome == o for a in arrivals) for o in ("ok", "oom", "rejected", "timeout")}
+    done = [a.request for a in arrivals if a.request.outcome == "ok"]
+    first = min(a.request.arrival for a in arrivals)
+    offered_rate = len(arrivals) / (max(a.request.arrival for a in arrivals) - first)
+    served_rate = len(done) / (max(r.finished for r in done) - first) if done else 0.0  # type: ignore[type-var]
+    result: dict[str, Any] = {
+        **outcomes,
+        "offered_over_served": offered_rate / served_rate if served_rate else math.inf,
+        "light_requests": len(lights),
+        "light_not_admitted": sum(r.admitted is None for r in lights),
+        "light_p99_wait_s": _pct(waits, 99),
+        "light_p50_wait_s": _pct(waits, 50),
+        "budget_use_while_waiting": tracker.busy_area / tracker.busy_time if tracker.busy_time else None,
+        "mean_running_while_waiting": tracker.running_area / tracker.busy_time if tracker.busy_time else None,
+        "oom_count": tracker.oom,
+        "all_backlogged_s": tracker.backlog_time,
+    }
+    total = sum(tracker.backlog_byte_seconds.values())
+    if len(tracker.tenants) == len(TENANTS) and total > 0:
+        shares = {t: tracker.backlog_byte_seconds[t] / total for t in TENANTS}
+        weight = 1 / len(TENANTS)  # equal weights
+        result["shares"] = shares
+        result["jain"] = jain([s / weight for s in shares.values()])
+    return result
+
+
+def ratio(present: float, absent: float) -> float:
+    if math.isinf(present):
+        return math.inf
+    return present / absent if absent > 0 else (1.0 if present == 0 else math.inf)
+
+
+def row(
+    ledger: str, load: float, max_queue: int, fair: bool, present: dict[str, Any], absent: dict[str, Any]
+) -> list[Any]:
+    shares = present.get("shares")
+    use = present["budget_use_while_waiting"]
+    return [
+        ledger, f"{load:g}x", f"{present['offered_over_served']:.1f}x", max_queue, "on" if fair else "off (one tenant)",
+        present["light_p99_wait_s"], absent["light_p99_wait_s"],
+        ratio(present["light_p99_wait_s"], absent["light_p99_wait_s"]),
+        f"{present['light_not_admitted']}/{present['light_requests']}",
+        "-" if use is None else f"{use:.1%}",
+        present["oom_count"],
+        present["all_backlogged_s"],
+        "-" if shares is None else f"{shares[HEAVY]:.2f} / " + " ".join(f"{shares[t]:.2f}" for t in LIGHTS),
+        present.get("jain", float("nan")),
+    ]
+
+
+HEADER = [
+    "ledger", "load", "offered / served req/s", "max_queue", "fair share", "light p99 wait s (heavy present)", "light p99 wait s (heavy absent)",
+    "ratio (bar <= 1.5)", "lights not admitted", "budget use while waiting (bar >= 90%)", "OOM",
+    "all backlogged s", "byte-s shares heavy / lights (weights 0.2 each)", "Jain (bar >= 0.95)",
+]
+
+
+async def redis_rows(
+    url: str, arrivals: list[Arrival], budget: int, load: float, max_queue: int, max_wait: float, scale: float
+) -> tuple[list[list[Any]], list[dict[str, Any]]]:
+    from gpu_asgi.redis_ledger import RedisLedger  # the redis extra
+
+    rows, results = [], []
+    for fair in (True, False):
+        runs = {}
+        for heavy in (True, False):
+            tenants = {t: TenantPolicy() for t in TENANTS} if fair else None
+            ledger = RedisLedger(url, budget, namespace=f"fair-{uuid.uuid4().hex[:8]}", max_queue=max_queue,
+                                 max_wait=max_wait * scale, tenants=tenants)
+            try:
+                runs[heavy] = await run_realtime(ledger, fresh(arrivals, heavy), budget, fair, max_wait, scale)
+            finally:
+                await ledger.aclose()
+        rows.append(row(f"RedisLedger (real time x{scale:g})", load, max_queue, fair, runs[True], runs[False]))
+        results.append({"ledger": "redis", "requests": len(arrivals), "load": load, "max_queue": max_queue, "fair": fair,
+                        "present": runs[True], "absent": runs[False]})
+    return rows, results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4000, help="requests per in-process run")
+    parser.add_argument("--loads", default="2.0,4.0", help="total offered loads in budgets (>= 2), comma-separated")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--max-queues", default="4096,256", help="ledger max_queue values, comma-separated")
+    parser.add_argument("--max-wait", type=float, default=30.0)
+    parser.add_argument("--redis-requests", type=int, default=1500, help="requests per RedisLedger run (0: skip Redis)")
+    parser.add_argument("--redis-loads", default="2.0", help="loads for the RedisLedger runs (at the first max_queue)")
+    parser.add_argument("--time-scale", type=float, default=0.1, help="real seconds per simulated second (Redis runs)")
+    args = parser.parse_args()
+    estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
+    budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
+    rows: list[list[Any]] = []
+    results: list[dict[str, Any]] = []
+    queues = [int(x) for x in args.max_queues.split(",")]
+    for max_queue in queues:
+        for load in (float(x) for x in args.loads.split(",")):
+            arrivals = tenant_workload(args.requests, args.seed, estimator, load, budget)
+            for fair in (True, False):
+                present = simulate(fresh(arrivals, True), budget, fair, max_queue, args.max_wait)
+                absent = simulate(fresh(arrivals, False), budget, fair, max_queue, args.max_wait)
+                rows.append(row("Ledger (virtual time)", load, max_queue, fair, present, absent))
+                results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": max_queue,
+                                "fair": fair, "present": present, "absent": absent})
+    if args.redis_requests:
+        from tests._redis import RedisServer
+
+        server = RedisServer().start()
+        try:
+            for load in (float(x) for x in args.redis_loads.split(",")):
+                arrivals = tenant_workload(args.redis_requests, args.seed, estimator, load, budget)
+                for fair in (True, False):  # the in-process ledger on the very same requests, in virtual time
+                    present = simulate(fresh(arrivals, True), budget, fair, queues[0], args.max_wait)
+                    absent = simulate(fresh(arrivals, False), budget, fair, queues[0], args.max_wait)
+                    rows.append(row(f"Ledger (virtual time, {len(arrivals)} requests)", load, queues[0], fair, present, absent))
+                    results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": queues[0],
+                                    "fair": fair, "present": present, "absent": absent})
+                more_rows, more = asyncio.run(
+                    redis_rows(server.url, arrivals, budget, load, queues[0], args.max_wait, args.time_scale)
+                )
+                rows += more_rows
+                results += more
+        finally:
+            server.stop()
+    print(f"budget {budget / (1 << 30):.2f} GiB; heavy tenant {HEAVY_FACTOR}x each of {len(LIGHTS)} light tenants")
+    print(table(rows, HEADER))
+    print("report:", write_report("fairness", {"args": vars(args), "budget_bytes": budget, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
