@@ -101,6 +101,11 @@ class FairShare:
             account = self.accounts[name] = Account(name, self.policy(name), now)
         return account
 
+    def waiting(self, name: str) -> int:
+        """Requests of ``name`` waiting now."""
+        account = self.accounts.get(name)
+        return 0 if account is None else account.waiting
+
     def fits(self, name: str, nbytes: int) -> bool:
         """Whether ``name`` may hold ``nbytes`` more under its quota."""
         account = self.accounts.get(name)

@@ -361,7 +361,15 @@ class Ledger:
             self._count_rejection(QueueFull.reason)
             raise QueueFull(
                 f"{self._waiting} requests are already waiting for GPU memory.",
-                retry_after=self.retry_after(nbytes, priority=priority),
+                retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant),
+            )
+        own = self._fair.waiting(tenant)
+        tenant_queue = self._fair.policy(tenant).max_queue
+        if tenant_queue is not None and own >= tenant_queue:
+            self._count_rejection(QueueFull.reason)
+            raise QueueFull(
+                f"{own} requests of this tenant are already waiting for GPU memory (its limit).",
+                retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant),
             )
         waiter = _Waiter(next(self._ids), nbytes, allowed, priority, now, tenant)
         self._fair.queued(tenant, nbytes, now)

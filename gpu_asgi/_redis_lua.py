@@ -400,6 +400,11 @@ local function main()
     redis.call('HINCRBY', K_COUNT, 'rejected:queue-full', 1)
     return {'full', waiting}
   end
+  local own, tenant_queue = account(t).waiting, (cfg.tenants[t] or cfg.default)[3]
+  if tenant_queue >= 0 and own >= tenant_queue then  -- the tenant's own bound (TenantPolicy.max_queue)
+    redis.call('HINCRBY', K_COUNT, 'rejected:queue-full', 1)
+    return {'full', own}
+  end
   local seq = redis.call('HINCRBY', K_COUNT, 'seq', 1)
   local p = tonumber(ARG[5])
   local lane = ARG[5] .. ':' .. size_class(n) .. ':' .. ARG[4] .. ':' .. t

@@ -139,7 +139,7 @@ class LedgerScripts:
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
         config |= {"chan": self.channel, "window": RATE_WINDOW, "warm": round(1.5 * heartbeat * 1000)}
-        # Weights go as JSON numbers (repr: exact); a quota of 0 means none.
+        # Weights go as JSON numbers (repr: exact); a quota of 0 and a max_queue of -1 mean none.
         config |= {
             "tenants": {name: _policy(p) for name, p in (tenants or {}).items()},
             "default": _policy(default_tenant_policy),
@@ -224,5 +224,5 @@ class LedgerScripts:
             raise RedisDown(str(exc) or type(exc).__name__) from exc
 
 
-def _policy(policy: TenantPolicy) -> tuple[float, int]:
-    return (policy.weight, policy.quota_bytes or 0)
+def _policy(policy: TenantPolicy) -> tuple[float, int, int]:
+    return (policy.weight, policy.quota_bytes or 0, -1 if policy.max_queue is None else policy.max_queue)

@@ -15,10 +15,13 @@ DEFAULT_TENANT = "default"
 
 @dataclass(frozen=True, slots=True)
 class TenantPolicy:
-    """A tenant's ``weight`` in the fair share, and the most bytes it may hold at once (``None``: no quota)."""
+    """A tenant's ``weight`` in the fair share, the most bytes it may hold at once (``quota_bytes``)
+    and the most requests it may have waiting (``max_queue``, within the ledger's own bound);
+    ``None``: no limit."""
 
     weight: float = 1.0
     quota_bytes: int | None = None
+    max_queue: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.weight, bool) or not isinstance(self.weight, int | float):
@@ -28,6 +31,9 @@ class TenantPolicy:
         quota = self.quota_bytes
         if quota is not None and (isinstance(quota, bool) or not isinstance(quota, int) or quota <= 0):
             raise ValueError(f"quota_bytes must be a positive integer or None, got {quota!r}")
+        queue = self.max_queue
+        if queue is not None and (isinstance(queue, bool) or not isinstance(queue, int) or queue < 0):
+            raise ValueError(f"max_queue must be an integer >= 0 or None, got {queue!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -254,7 +254,7 @@ class RedisLedger:
                     if state == "full":
                         settled = True  # no ticket was taken
                         message = f"{detail} requests are already waiting for GPU memory."
-                        raise QueueFull(message, retry_after=self.retry_after(nbytes, priority=priority))
+                        raise QueueFull(message, retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant))
                     if state == "gone":  # never queued (a slow first call), or Redis lost the queue: join
                         state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
                         continue

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, Reservation, TenantPolicy
+from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, Reservation, TenantPolicy
 
 from . import _redis
 from ._asgi import settle
@@ -293,6 +293,29 @@ async def test_quotas_are_never_exceeded_and_a_request_over_its_quota_is_refused
             break
         await asyncio.sleep(0.05)
     assert await rejected() == 1
+
+
+async def test_a_tenant_at_its_own_queue_bound_is_refused_while_others_still_queue(backend: Backend) -> None:
+    """``TenantPolicy.max_queue``: one tenant's backlog cannot fill the shared queue."""
+    ledger = backend.make(100, max_queue=10, default_tenant_policy=TenantPolicy(max_queue=2))
+    holder = await ledger.reserve(100, tenant="heavy")
+    heavy = [start(ledger, 10, tenant="heavy") for _ in range(2)]
+    await backend.queued(ledger, 2)
+    with pytest.raises(QueueFull) as full:
+        await ledger.reserve(10, tenant="heavy")
+    assert full.value.reason == "queue-full" and full.value.retry_after is not None
+    light = start(ledger, 10, tenant="light")  # another tenant still gets a place in the queue
+    await backend.queued(ledger, 3)
+    holder.release()
+    for task in [*heavy, light]:
+        (await granted(task)).release()
+
+
+def test_a_tenant_queue_bound_is_an_integer_or_none() -> None:
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_queue"):
+            TenantPolicy(max_queue=bad)  # type: ignore[arg-type]
+    assert TenantPolicy(max_queue=0).max_queue == 0
 
 
 async def test_statistics_list_the_tenants_that_hold_or_wait_and_the_configured_ones(backend: Backend) -> None:

@@ -39,6 +39,8 @@ SIZES = st.one_of(st.integers(0, 25), st.integers(45, 100))
 TENANTS = ("a", "b", "c", "d")
 WEIGHTS = st.sampled_from([1, 2, 0.5, 3, 0.3])
 QUOTAS = st.sampled_from([None, None, 30, 70])
+#: Per-tenant queue bounds (TenantPolicy.max_queue), mostly none.
+TENANT_QUEUES = st.sampled_from([None, None, 0, 1, 3])
 #: No tenant is forgotten during an example (expiry has its own tests).
 IDLE_TTL = 1e6
 
@@ -220,9 +222,18 @@ class LedgerMachine(RuleBasedStateMachine):
         max_queue=st.integers(1, 12),
         weights=st.tuples(WEIGHTS, WEIGHTS, WEIGHTS),
         quotas=st.tuples(QUOTAS, QUOTAS, QUOTAS),
+        queues=st.tuples(TENANT_QUEUES, TENANT_QUEUES, TENANT_QUEUES),
     )
-    def setup(self, max_queue: int, weights: tuple[float, ...], quotas: tuple[int | None, ...]) -> None:
-        self.tenants = {name: TenantPolicy(w, q) for name, w, q in zip(TENANTS, weights, quotas, strict=False)}
+    def setup(
+        self,
+        max_queue: int,
+        weights: tuple[float, ...],
+        quotas: tuple[int | None, ...],
+        queues: tuple[int | None, ...],
+    ) -> None:
+        self.tenants = {
+            name: TenantPolicy(w, q, m) for name, w, q, m in zip(TENANTS, weights, quotas, queues, strict=False)
+        }
         self.memory = InProcess(self.loop, max_queue, self.tenants, self.clock)
         if self.with_redis:
             TwoLedgersMachine.namespaces += 1
@@ -325,6 +336,14 @@ class LedgerMachine(RuleBasedStateMachine):
         stats = self.memory.ledger.statistics()
         assert stats.in_flight == len(held)
         assert stats.waiting == len(self.memory.tasks)
+
+    @invariant()
+    def no_tenant_waits_beyond_its_queue_bound(self) -> None:
+        if not hasattr(self, "memory"):
+            return
+        for row in self.memory.ledger.statistics().tenants:
+            bound = self.memory.ledger.tenant_policy(row.name).max_queue
+            assert bound is None or row.waiting <= bound, f"{row.name} has {row.waiting} waiting, bound {bound}"
 
     @invariant()
     def no_tenant_holds_more_than_its_quota(self) -> None:
