@@ -13,7 +13,8 @@ arithmetic in the same order, so both backends compute the same floats.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 from ._errors import OverTenantQuota
 from ._tenancy import TenantPolicy, TenantStatistics
@@ -31,6 +32,50 @@ def check_quota(policy: TenantPolicy, nbytes: int) -> None:
             required_bytes=nbytes,
             quota_bytes=quota,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """A tenant's place in the fair-share order at one moment (what ``Retry-After`` needs)."""
+
+    vt: float
+    credit: float
+    waiting: int
+    in_flight: int
+
+
+def arrival_vt(standings: Mapping[str, Standing], tenant: str) -> float:
+    """The virtual time a request of ``tenant`` arriving now is ordered by: its own, lifted as
+    :meth:`FairShare.queued` lifts a tenant's first waiter."""
+    mine = standings.get(tenant)
+    vt = 0.0 if mine is None else mine.vt
+    if mine is None or not mine.waiting:
+        others = [s for name, s in standings.items() if name != tenant]
+        floor = [s.vt for s in others if s.waiting] or [s.vt for s in others if s.in_flight]
+        credit = 0.0 if mine is None else mine.credit
+        if floor and min(floor) - credit > vt:
+            vt = min(floor) - credit
+    return vt
+
+
+def lanes_ahead(
+    lanes: Iterable[tuple[int, int, str, int, int]], tenant: str, priority: int, standings: Mapping[str, Standing]
+) -> Iterator[tuple[int, int, int, int]]:
+    """Of ``lanes`` (priority, size class, tenant, waiters, bytes), those a request of ``tenant``
+    at ``priority`` is ordered behind, as (priority, size class, waiters, bytes) for
+    ``bytes_ahead``: its own tenant's at its priority or higher, and every lane of a tenant whose
+    virtual time is below the one it arrives with (across tenants, virtual time decides; at a tie
+    the other tenant, which holds bytes, is behind by the next release)."""
+    mine: float | None = None
+    for p, c, owner, waiters, nbytes in lanes:
+        if owner == tenant:
+            yield p, c, waiters, nbytes
+            continue
+        if mine is None:
+            mine = arrival_vt(standings, tenant)
+        other = standings.get(owner)
+        if other is not None and other.vt < mine:
+            yield max(p, priority), c, waiters, nbytes
 
 
 class Account:
@@ -167,6 +212,10 @@ class FairShare:
                 return
             del self._idle[name]
             del self.accounts[name]
+
+    def standings(self, now: float) -> dict[str, Standing]:
+        """Every known tenant's :class:`Standing` at ``now``."""
+        return {name: Standing(a.vt_at(now), a.credit, a.waiting, a.in_flight) for name, a in self.accounts.items()}
 
     def statistics(self, now: float) -> tuple[TenantStatistics, ...]:
         """Every tenant that holds or waits, and every configured one, by name."""

@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 from ._drain import DrainRate, retry_after
 from ._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare, check_quota
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare, check_quota, lanes_ahead
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
 DEFAULT_DEVICE = "cuda:0"
@@ -536,13 +536,15 @@ class Ledger:
         """Seconds until a request of ``tenant`` for ``nbytes`` at ``priority`` arriving now would likely be admitted.
 
         ``(bytes queued ahead + nbytes - free bytes) / drain rate``, within [1 s, 600 s]. Ahead
-        are the waiters at its priority or higher likely to be admitted first (``bytes_ahead``:
-        its size class or smaller, and the larger heads the bounded bypass lets claim). With no
-        release observed yet, ``max_wait``, within
-        the same range.
+        are the waiters ordered before it (its tenant's at its priority or higher, and those of
+        tenants whose virtual time is below its own: ``lanes_ahead``) that are likely to be
+        admitted first (``bytes_ahead``: its size class or smaller, and the larger heads the
+        bounded bypass lets claim). With no release observed yet, ``max_wait``, within the same
+        range.
         """
-        lanes = [(key[0], key[1], len(self._lanes[key]), n) for key, n in self._lane_bytes.items()]
-        ahead = bytes_ahead(lanes, nbytes, priority, self.max_bypass)
+        lanes = [(key[0], key[1], key[3], len(self._lanes[key]), n) for key, n in self._lane_bytes.items()]
+        standings = self._fair.standings(self._clock())
+        ahead = bytes_ahead(lanes_ahead(lanes, tenant, priority, standings), nbytes, priority, self.max_bypass)
         free = sum(device.free for device in self._all)
         return retry_after(max(0, round(ahead) + nbytes - free), self.release_rate(), self.max_wait)
 

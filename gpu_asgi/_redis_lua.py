@@ -507,7 +507,7 @@ local function main()
     local served = a.served
     if now > a.last then served = served + a.held * ((now - a.last) / 1000) end
     tenants[#tenants + 1] = {t, int(a.held), int(a.inflight), int(a.waiting), int(a.wbytes),
-      string.format('%.17g', served)}
+      string.format('%.17g', served), string.format('%.17g', vt_at(a)), string.format('%.17g', a.credit)}
   end
   for _, t in ipairs(redis.call('SMEMBERS', K_TEN)) do row(t) end
   for t, _ in pairs(cfg.tenants) do row(t) end

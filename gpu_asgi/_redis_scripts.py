@@ -14,7 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redis_lua as lua
 from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, retry_after
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL, Standing, lanes_ahead
 from ._ledger import DeviceStatistics, LedgerStatistics, bytes_ahead
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
@@ -58,6 +58,8 @@ class Beat:
     busy_seconds: float = 0.0
     #: name -> (bytes held, leases, waiting, bytes waiting, byte-seconds served)
     tenants: dict[str, tuple[int, int, int, int, float]] = field(default_factory=dict)
+    #: name -> its place in the fair-share order (for Retry-After)
+    standings: dict[str, Standing] = field(default_factory=dict)
 
     @property
     def waiting_bytes(self) -> int:
@@ -93,17 +95,17 @@ class Beat:
         )
 
     def retry_after(
-        self, capacities: Mapping[str, int], nbytes: int, max_wait: float, priority: int, max_bypass: int
+        self, capacities: Mapping[str, int], nbytes: int, max_wait: float, priority: int, max_bypass: int, tenant: str
     ) -> float:
         """As :meth:`Ledger.retry_after <gpu_asgi.Ledger.retry_after>`, from this snapshot."""
         lanes = []
         for key, n in self.counts.items():
             if key.startswith("bytes:"):
                 lane = key.removeprefix("bytes:")
-                p, c, _ = lane.split(":", 2)
-                lanes.append((int(p), int(c), self.counts.get("n:" + lane, 1), n))
+                p, c, _, owner = lane.split(":", 3)  # "<priority>:<class>:<devices>:<tenant>"
+                lanes.append((int(p), int(c), owner, self.counts.get("n:" + lane, 1), n))
         free = sum(capacity - self.reserved.get(name, 0) for name, capacity in capacities.items())
-        ahead = bytes_ahead(lanes, nbytes, priority, max_bypass)
+        ahead = bytes_ahead(lanes_ahead(lanes, tenant, priority, self.standings), nbytes, priority, max_bypass)
         return retry_after(max(0, round(ahead) + nbytes - free), self.release_rate, max_wait)
 
 
@@ -212,7 +214,11 @@ class LedgerScripts:
             busy_seconds=float(busy),
             tenants={
                 text(name): (int(held), int(leases), int(queued), int(queued_bytes), float(served))
-                for name, held, leases, queued, queued_bytes, served in tenants
+                for name, held, leases, queued, queued_bytes, served, _, _ in tenants
+            },
+            standings={
+                text(name): Standing(float(vt), float(credit), int(queued), int(leases))
+                for name, _, leases, queued, _, _, vt, credit in tenants
             },
         )
 

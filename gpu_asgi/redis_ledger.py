@@ -398,7 +398,9 @@ class RedisLedger:
 
     def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float:
         """As the in-process ledger's, from the shared release rate of the last snapshot."""
-        return self._upkeep.beat.retry_after(self._capacities, nbytes, self.max_wait, priority, self.max_bypass)
+        return self._upkeep.beat.retry_after(
+            self._capacities, nbytes, self.max_wait, priority, self.max_bypass, tenant
+        )
 
     def statistics(self) -> LedgerStatistics:
         """Every worker's reservations and queue, as of the last heartbeat (at most ``heartbeat`` s old).

@@ -295,6 +295,32 @@ async def test_quotas_are_never_exceeded_and_a_request_over_its_quota_is_refused
     assert await rejected() == 1
 
 
+async def test_retry_after_counts_only_the_waiters_ordered_before_the_tenant(backend: Backend) -> None:
+    """A light tenant arriving behind a heavy backlog is ordered before it (its virtual time is
+    lower), so its Retry-After counts none of the heavy tenant's waiters; a heavy request counts them all."""
+    ledger = backend.make(100)
+    for _ in range(5):  # a drain rate: 10 bytes per busy second
+        reservation = await ledger.reserve(100, tenant="heavy")
+        backend.clock.advance(10)
+        reservation.release()
+    holder = await ledger.reserve(100, tenant="heavy")
+    heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
+    await backend.queued(ledger, 4)
+    backend.clock.advance(2)
+    rate = (await statistics(ledger)).release_rate_bytes_per_second
+    assert 5 < rate < 20  # so that neither hint below is clamped to 1 s
+
+    def hint(backlog: int) -> float:
+        return min(600.0, max(1.0, backlog / rate))
+
+    assert ledger.retry_after(20, tenant="light") == pytest.approx(hint(20))
+    assert ledger.retry_after(20, tenant="heavy") == pytest.approx(hint(4 * 20 + 20))
+    for task in heavy:
+        task.cancel()
+    await asyncio.gather(*heavy, return_exceptions=True)
+    holder.release()
+
+
 async def test_a_tenant_at_its_own_queue_bound_is_refused_while_others_still_queue(backend: Backend) -> None:
     """``TenantPolicy.max_queue``: one tenant's backlog cannot fill the shared queue."""
     ledger = backend.make(100, max_queue=10, default_tenant_policy=TenantPolicy(max_queue=2))
