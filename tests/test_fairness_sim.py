@@ -5,7 +5,7 @@ backlogged; with everyone one tenant (the baseline) it gets most of them."""
 from __future__ import annotations
 
 from gpu_asgi import AnalyticEstimator, budget_bytes
-from tests.benchmarks.bench_fairness import HEAVY, LIGHTS, fresh, jain, simulate, tenant_workload
+from tests.benchmarks.bench_fairness import HEAVY, LIGHTS, Queues, fresh, jain, simulate, tenant_workload
 from tests.benchmarks.bench_overload import DEVICE_BYTES, QWEN2_1_5B, RUNTIME_OVERHEAD, WEIGHTS_BYTES
 
 
@@ -18,7 +18,7 @@ def test_fair_share_divides_byte_seconds_by_weight_while_all_are_backlogged() ->
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.9, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
     arrivals = tenant_workload(2000, seed=3, estimator=estimator, load=4.0, budget=budget)
-    on, off = (simulate(fresh(arrivals, True), budget, fair, max_queue=4096, max_wait=30.0) for fair in (True, False))
+    on, off = (simulate(fresh(arrivals, True), budget, fair, max_queue=Queues(4096), max_wait=30.0) for fair in (True, False))
     for result in (on, off):
         assert result["oom_count"] == 0
         assert result["budget_use_while_waiting"] >= 0.9
@@ -27,3 +27,17 @@ def test_fair_share_divides_byte_seconds_by_weight_while_all_are_backlogged() ->
     # issue 11's bar: shares within 10% of the weights (0.2 each), Jain's index >= 0.95
     assert on["jain"] >= 0.95 and all(abs(on["shares"][t] - 0.2) <= 0.02 for t in (HEAVY, *LIGHTS))
     assert off["jain"] < 0.6 and off["shares"][HEAVY] > 0.5
+
+
+def test_a_per_tenant_queue_bound_keeps_the_heavy_tenant_from_filling_the_shared_queue() -> None:
+    """With the default max_queue (256) the heavy tenant's backlog refuses light requests on
+    arrival; 64 per tenant (TenantPolicy.max_queue) leaves room for them."""
+    estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
+    budget = budget_bytes(DEVICE_BYTES, utilization=0.9, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
+    arrivals = tenant_workload(2000, seed=3, estimator=estimator, load=4.0, budget=budget)
+    shared, bounded = (
+        simulate(fresh(arrivals, True), budget, True, max_queue=queues, max_wait=30.0)
+        for queues in (Queues(256), Queues(256, 64))
+    )
+    assert bounded["light_not_admitted"] < shared["light_not_admitted"] / 2
+    assert bounded["jain"] > shared["jain"]

@@ -152,12 +152,32 @@ class Tracker:
         self.held[tenant] += held
 
 
-def make_ledger(budget: int, fair: bool, max_queue: int, clock: Callable[[], float]) -> Ledger:
-    tenants = {t: TenantPolicy() for t in TENANTS} if fair else None
-    return Ledger(budget, max_queue=max_queue, max_wait=1e9, tenants=tenants, clock=clock)
+@dataclass(frozen=True)
+class Queues:
+    """The ledger's ``max_queue`` and, with fair share on, each tenant's own bound (``TenantPolicy.max_queue``)."""
+
+    total: int
+    per_tenant: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Queues:
+        """``"256"`` or ``"256/64"`` (64 per tenant)."""
+        total, _, per_tenant = text.partition("/")
+        return cls(int(total), int(per_tenant) if per_tenant else None)
+
+    def __str__(self) -> str:
+        return str(self.total) if self.per_tenant is None else f"{self.total} ({self.per_tenant} per tenant)"
+
+    def tenants(self, fair: bool) -> dict[str, TenantPolicy] | None:
+        """Every tenant at weight 1 (fair share on), or None: everyone the one default tenant."""
+        return {t: TenantPolicy(max_queue=self.per_tenant) for t in TENANTS} if fair else None
 
 
-def simulate(arrivals: list[Arrival], budget: int, fair: bool, max_queue: int, max_wait: float) -> dict[str, Any]:
+def make_ledger(budget: int, fair: bool, queues: Queues, clock: Callable[[], float]) -> Ledger:
+    return Ledger(budget, max_queue=queues.total, max_wait=1e9, tenants=queues.tenants(fair), clock=clock)
+
+
+def simulate(arrivals: list[Arrival], budget: int, fair: bool, max_queue: Queues, max_wait: float) -> dict[str, Any]:
     """The in-process ledger in virtual time (bench_overload's event loop: heap + a spun asyncio loop)."""
     loop = asyncio.new_event_loop()
     sim = Simulation(budget)
@@ -318,12 +338,13 @@ def ratio(present: float, absent: float) -> float:
 
 
 def row(
-    ledger: str, load: float, max_queue: int, fair: bool, present: dict[str, Any], absent: dict[str, Any]
+    ledger: str, load: float, max_queue: Queues, fair: bool, present: dict[str, Any], absent: dict[str, Any]
 ) -> list[Any]:
     shares = present.get("shares")
     use = present["budget_use_while_waiting"]
     return [
-        ledger, f"{load:g}x", f"{present['offered_over_served']:.1f}x", max_queue, "on" if fair else "off (one tenant)",
+        ledger, f"{load:g}x", f"{present['offered_over_served']:.1f}x", str(max_queue) if fair else max_queue.total,
+        "on" if fair else "off (one tenant)",
         present["light_p99_wait_s"], absent["light_p99_wait_s"],
         ratio(present["light_p99_wait_s"], absent["light_p99_wait_s"]),
         f"{present['light_not_admitted']}/{present['light_requests']}",
@@ -343,7 +364,7 @@ HEADER = [
 
 
 async def redis_rows(
-    url: str, arrivals: list[Arrival], budget: int, load: float, max_queue: int, max_wait: float, scale: float
+    url: str, arrivals: list[Arrival], budget: int, load: float, max_queue: Queues, max_wait: float, scale: float
 ) -> tuple[list[list[Any]], list[dict[str, Any]]]:
     from gpu_asgi.redis_ledger import RedisLedger  # the redis extra
 
@@ -351,15 +372,14 @@ async def redis_rows(
     for fair in (True, False):
         runs = {}
         for heavy in (True, False):
-            tenants = {t: TenantPolicy() for t in TENANTS} if fair else None
-            ledger = RedisLedger(url, budget, namespace=f"fair-{uuid.uuid4().hex[:8]}", max_queue=max_queue,
-                                 max_wait=max_wait * scale, tenants=tenants)
+            ledger = RedisLedger(url, budget, namespace=f"fair-{uuid.uuid4().hex[:8]}", max_queue=max_queue.total,
+                                 max_wait=max_wait * scale, tenants=max_queue.tenants(fair))
             try:
                 runs[heavy] = await run_realtime(ledger, fresh(arrivals, heavy), budget, fair, max_wait, scale)
             finally:
                 await ledger.aclose()
         rows.append(row(f"RedisLedger (real time x{scale:g})", load, max_queue, fair, runs[True], runs[False]))
-        results.append({"ledger": "redis", "requests": len(arrivals), "load": load, "max_queue": max_queue, "fair": fair,
+        results.append({"ledger": "redis", "requests": len(arrivals), "load": load, "max_queue": str(max_queue), "fair": fair,
                         "present": runs[True], "absent": runs[False]})
     return rows, results
 
@@ -369,7 +389,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000, help="requests per in-process run")
     parser.add_argument("--loads", default="2.0,4.0", help="total offered loads in budgets (>= 2), comma-separated")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--max-queues", default="4096,256", help="ledger max_queue values, comma-separated")
+    parser.add_argument("--max-queues", default="4096,256,256/64",
+                        help="ledger max_queue values, comma-separated; 256/64: also 64 per tenant (fair share on)")
     parser.add_argument("--max-wait", type=float, default=30.0)
     parser.add_argument("--redis-requests", type=int, default=1500, help="requests per RedisLedger run (0: skip Redis)")
     parser.add_argument("--redis-loads", default="2.0", help="loads for the RedisLedger runs (at the first max_queue)")
@@ -379,15 +400,16 @@ def main() -> None:
     budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
-    queues = [int(x) for x in args.max_queues.split(",")]
+    queues = [Queues.parse(x) for x in args.max_queues.split(",")]
     for max_queue in queues:
         for load in (float(x) for x in args.loads.split(",")):
             arrivals = tenant_workload(args.requests, args.seed, estimator, load, budget)
-            for fair in (True, False):
+            # A per-tenant bound means nothing with one tenant: its "off" row is the plain max_queue's.
+            for fair in (True, False) if max_queue.per_tenant is None else (True,):
                 present = simulate(fresh(arrivals, True), budget, fair, max_queue, args.max_wait)
                 absent = simulate(fresh(arrivals, False), budget, fair, max_queue, args.max_wait)
                 rows.append(row("Ledger (virtual time)", load, max_queue, fair, present, absent))
-                results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": max_queue,
+                results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": str(max_queue),
                                 "fair": fair, "present": present, "absent": absent})
     if args.redis_requests:
         from tests._redis import RedisServer
@@ -400,7 +422,7 @@ def main() -> None:
                     present = simulate(fresh(arrivals, True), budget, fair, queues[0], args.max_wait)
                     absent = simulate(fresh(arrivals, False), budget, fair, queues[0], args.max_wait)
                     rows.append(row(f"Ledger (virtual time, {len(arrivals)} requests)", load, queues[0], fair, present, absent))
-                    results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": queues[0],
+                    results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": str(queues[0]),
                                     "fair": fair, "present": present, "absent": absent})
                 more_rows, more = asyncio.run(
                     redis_rows(server.url, arrivals, budget, load, queues[0], args.max_wait, args.time_scale)
