@@ -19,7 +19,7 @@ from ._ledger import BudgetLedger, LedgerStatistics
 from ._sampler import DeviceSampler
 from ._telemetry import ADMITTED
 from ._tenancy import DEFAULT_TENANT
-from ._tenants import OTHER_TENANT_LABEL, tenant_label
+from ._tenants import OTHER_TENANT_LABEL, named_tenants, tenant_label
 
 PROMETHEUS_MISSING = "gpu_asgi's Prometheus metrics need prometheus-client: pip install 'gpu_asgi[prometheus]'."
 DEFAULT_NAMESPACE = "gpu_asgi"
@@ -99,7 +99,7 @@ class GPUMetrics:
         self.ledger = ledger
         #: Tenants the per-tenant gauges name; any other is summed into "other". Default: the
         #: ledger's configured tenants (as the middleware's ``tenant_labels``).
-        self.tenant_labels: Collection[str] = (
+        self.tenant_labels: Collection[str] = named_tenants(
             (getattr(ledger, "tenants", {}) if ledger is not None else ()) if tenant_labels is None else frozenset(tenant_labels)
         )
         self.sampler = sampler

@@ -33,7 +33,7 @@ from ._responder import Responder, caused_by_answer
 from ._sampler import DeviceSampler
 from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes
 from ._tenancy import DEFAULT_TENANT
-from ._tenants import TenantKey, find_tenant, tenant_keys, tenant_label
+from ._tenants import TenantKey, find_tenant, named_tenants, tenant_keys, tenant_label
 from ._tokens import HeuristicTokenCounter, TokenCounter, count_tokens_in_thread
 from ._types import ASGIApp, Message, Receive, Scope, Send
 
@@ -166,7 +166,7 @@ class GPUAdmissionMiddleware:
         self.tenant_key = tenant_keys(tenant_key)
         #: Tenants that spans and metrics name; any other is "other". Default: the ledger's
         #: configured tenants (read live, so tenants added to the ledger later are named too).
-        self._tenant_labels: Collection[str] = (
+        self._tenant_labels: Collection[str] = named_tenants(
             getattr(ledger, "tenants", {}) if tenant_labels is None else frozenset(tenant_labels)
         )
 

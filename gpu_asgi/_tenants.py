@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +135,16 @@ def tenant_keys(value: TenantKey | Sequence[TenantKey] | None) -> tuple[TenantKe
         if not isinstance(key, TenantKey):
             raise TypeError(f"tenant_key takes TenantKey objects, not {type(key).__name__}")
     return keys
+
+
+def named_tenants(labels: Collection[str]) -> Collection[str]:
+    """``labels`` as given, once checked: no tenant may be named ``other``, the label every
+    unnamed tenant is counted under (its series would silently mix with theirs)."""
+    if OTHER_TENANT_LABEL in labels:
+        raise ValueError(
+            f"a tenant named {OTHER_TENANT_LABEL!r} would share its metrics label with every unnamed tenant: rename it"
+        )
+    return labels
 
 
 def tenant_label(tenant: str, named: Container[str]) -> str:

@@ -188,6 +188,14 @@ class RecordingLedger(Ledger):
         return super().retry_after(nbytes, priority=priority, tenant=tenant)
 
 
+def test_no_tenant_may_be_named_other() -> None:
+    """``other`` is the label of every unnamed tenant: a tenant of that name would mix its series with theirs."""
+    with pytest.raises(ValueError, match="'other'"):
+        GPUAdmissionMiddleware(whose, ledger=Ledger(10, tenants={"other": TenantPolicy()}), estimator=LinearEstimator(1))
+    with pytest.raises(ValueError, match="'other'"):
+        GPUMetrics(Ledger(10), registry=CollectorRegistry(), multiprocess=False, tenant_labels=["acme", "other"])
+
+
 async def test_the_tenant_reaches_the_ledger_at_once_and_in_the_queue() -> None:
     ledger = RecordingLedger(1000)
     app = make_app(ledger, tenant_key=TenantKey.header("x-tenant-id"))
