@@ -213,9 +213,13 @@ class FairShare:
             del self._idle[name]
             del self.accounts[name]
 
-    def standings(self, now: float) -> dict[str, Standing]:
-        """Every known tenant's :class:`Standing` at ``now``."""
-        return {name: Standing(a.vt_at(now), a.credit, a.waiting, a.in_flight) for name, a in self.accounts.items()}
+    def standings(self, now: float, tenant: str) -> dict[str, Standing]:
+        """The :class:`Standing` at ``now`` of the tenants that hold or wait, and of ``tenant``
+        (what ``lanes_ahead`` reads: idle tenants, however many, play no part)."""
+        accounts = dict(self.active)
+        if tenant in self.accounts:
+            accounts[tenant] = self.accounts[tenant]
+        return {name: Standing(a.vt_at(now), a.credit, a.waiting, a.in_flight) for name, a in accounts.items()}
 
     def statistics(self, now: float) -> tuple[TenantStatistics, ...]:
         """Every tenant that holds or waits, and every configured one, by name."""

@@ -192,7 +192,7 @@ def bytes_ahead(lanes: Iterable[tuple[int, int, int, int]], nbytes: int, priorit
             ahead_count += waiters
         else:
             larger.append((waiters, nb / waiters))
-    admissions, first = ahead_count, [0] * len(larger)
+    admissions = ahead_count
     while True:  # each larger waiter that goes first is one more admission, passing the others
         first = [min(waiters, admissions // (max_bypass + 1)) for waiters, _ in larger]
         total = ahead_count + sum(first)
@@ -543,7 +543,7 @@ class Ledger:
         range.
         """
         lanes = [(key[0], key[1], key[3], len(self._lanes[key]), n) for key, n in self._lane_bytes.items()]
-        standings = self._fair.standings(self._clock())
+        standings = self._fair.standings(self._clock(), tenant)
         ahead = bytes_ahead(lanes_ahead(lanes, tenant, priority, standings), nbytes, priority, self.max_bypass)
         free = sum(device.free for device in self._all)
         return retry_after(max(0, round(ahead) + nbytes - free), self.release_rate(), self.max_wait)

@@ -99,9 +99,7 @@ class GPUMetrics:
         self.ledger = ledger
         #: Tenants the per-tenant gauges name; any other is summed into "other". Default: the
         #: ledger's configured tenants (as the middleware's ``tenant_labels``).
-        self.tenant_labels: Collection[str] = named_tenants(
-            (getattr(ledger, "tenants", {}) if ledger is not None else ()) if tenant_labels is None else frozenset(tenant_labels)
-        )
+        self.tenant_labels = named_tenants(ledger, tenant_labels)
         self.sampler = sampler
         self.namespace = namespace
         self.multiprocess = multiprocess_enabled() if multiprocess is None else multiprocess

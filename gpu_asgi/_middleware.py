@@ -164,11 +164,8 @@ class GPUAdmissionMiddleware:
         self.openai_errors = openai_errors  # a route's own RouteSpec.openai_errors wins
         #: Where a request's tenant is read, tried in order (a route's own RouteSpec.tenant_key wins).
         self.tenant_key = tenant_keys(tenant_key)
-        #: Tenants that spans and metrics name; any other is "other". Default: the ledger's
-        #: configured tenants (read live, so tenants added to the ledger later are named too).
-        self._tenant_labels: Collection[str] = named_tenants(
-            getattr(ledger, "tenants", {}) if tenant_labels is None else frozenset(tenant_labels)
-        )
+        #: Tenants that spans and metrics name; any other is "other".
+        self._tenant_labels = named_tenants(ledger, tenant_labels)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
