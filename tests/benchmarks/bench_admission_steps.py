@@ -10,7 +10,10 @@ the admission record, sets the request state and runs the code between the steps
 The last rows run a request through the bare Starlette app of ``bench_overhead`` before each
 ``admit()``: the difference is what ``admit()`` costs when other code runs between two calls, as
 it does inside an app (the CPU's caches and branch predictors are shared), rather than alone in
-a tight loop.
+a tight loop. The same is run once more with ``GrantingLedger`` (every request granted, no
+bookkeeping) in place of the real ``Ledger``: the difference of the two is what the ledger's
+``try_reserve`` and ``release`` cost inside ``admit()`` in the app, which is more than they cost
+alone (the "ledger try_reserve + release" row).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator
+from gpu_asgi import DEFAULT_TENANT, GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation
 from gpu_asgi._body import check_headers, parse_request, read_body
 from gpu_asgi._tagging import RouteSpec
 
@@ -29,6 +32,19 @@ from ._report import table, write_report
 from .bench_overhead import BODY, build, scope_for
 
 PROMPT = "word " * 196  # what parse_request finds in BODY
+
+
+class GrantingLedger:
+    """Reference only: grants every ``try_reserve`` and keeps no account, so ``admit()`` with it
+    costs everything but the ledger's own work (a ``Reservation`` is still built and released)."""
+
+    devices = ("cuda:0",)
+
+    def try_reserve(self, nbytes: int, *, devices: Any = None, tenant: str = DEFAULT_TENANT) -> Reservation:
+        return Reservation(self, "r", "cuda:0", nbytes, 0.0, tenant)  # type: ignore[arg-type]
+
+    def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        pass
 
 
 async def run(requests: int, rounds: int) -> dict[str, float]:
@@ -45,8 +61,13 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
     async def send(message: dict[str, Any]) -> None:
         pass
 
-    async def whole() -> None:
-        granted = await middleware.admit(spec, dict(template), receive, send)
+    granting = GPUAdmissionMiddleware(
+        lambda scope, receive, send: None, ledger=GrantingLedger(),  # type: ignore[arg-type]
+        estimator=LinearEstimator(bytes_per_token=1),
+    )
+
+    async def whole(admitting: GPUAdmissionMiddleware = middleware) -> None:
+        granted = await admitting.admit(spec, dict(template), receive, send)
         assert granted is not None
         granted[0].release()
 
@@ -58,6 +79,10 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
     async def bare_request_then_admit() -> None:
         await bare_request()
         await whole()
+
+    async def bare_request_then_admit_granting() -> None:
+        await bare_request()
+        await whole(granting)
 
     async def body() -> None:
         await read_body(receive, 1 << 20, 30.0, middleware._deadlines)
@@ -83,6 +108,7 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         "ledger try_reserve + release": reserve,
         "bare Starlette request": bare_request,
         "bare Starlette request, then whole admit()": bare_request_then_admit,
+        "bare Starlette request, then whole admit() with GrantingLedger": bare_request_then_admit_granting,
     }
     results: dict[str, float] = {}
     for name, step in steps.items():
@@ -97,6 +123,10 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         results[name] = best
     results["whole admit() after a bare request (difference)"] = (
         results["bare Starlette request, then whole admit()"] - results["bare Starlette request"]
+    )
+    results["the ledger's try_reserve + release inside admit(), after a bare request (difference)"] = (
+        results["bare Starlette request, then whole admit()"]
+        - results["bare Starlette request, then whole admit() with GrantingLedger"]
     )
     return results
 
