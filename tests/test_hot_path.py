@@ -70,3 +70,13 @@ async def test_a_tagged_route_still_gets_its_body_replayed_after_admission() -> 
     await app_with(server)(http_scope("/generate"), server.receive, server.send)
     assert response_of(server) == (200, {"body": len(body)})
     assert len(server.issued) == 1  # admission read the body once; the endpoint got the same bytes
+
+
+async def test_the_admission_steps_benchmark_runs_on_this_code() -> None:
+    """docs/benchmarks.md's step table, and the ledger's share of admit() in the app, come from
+    this benchmark: its GrantingLedger must stay a ledger the middleware admits through."""
+    from .benchmarks.bench_admission_steps import run
+
+    results = await run(requests=5, rounds=1)  # raises if an admit() is not granted
+    assert "the ledger's share of admit() after a bare request (Ledger - GrantingLedger)" in results
+    assert all(us == us and abs(us) < 1e6 for us in results.values())  # finite, not NaN
