@@ -74,7 +74,7 @@ def lift(others: Mapping[str, float], lead: Lead) -> float | None:
 
     Against the tenants its lead was measured against that are still among ``others``: no more
     lead over either than it had, and never behind the lowest of ``others``. When neither is, its
-    lead over the lowest then is kept against the lowest now (so it can shrink, never grow).
+    lead over the lowest then is applied to the lowest now.
     """
     if not others:
         return None
