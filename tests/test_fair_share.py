@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, Reservation, TenantPolicy
-from gpu_asgi._fair_share import NO_LEAD, Lead, lift, measure
+from gpu_asgi._fair_share import NO_LEAD, Lead, Standing, arrival_vt, lift, measure
 
 from . import _redis
 from ._asgi import settle
@@ -284,6 +284,10 @@ def test_the_lift_keeps_no_more_lead_than_a_tenant_had_and_never_puts_it_behind_
     assert lift({"heavy": 1800.0, "d": 100.0}, NO_LEAD) == 100.0
     assert lift({}, lead) is None
     assert measure({}, 5.0) == NO_LEAD
+    # Retry-After orders an arriving request by the same lift.
+    standings = {"heavy": Standing(1800.0, 1, 1), "a": Standing(120.0, 0, 1, lead)}
+    assert arrival_vt(standings, "a") == 960.0
+    assert arrival_vt(standings, "new") == 1800.0
 
 
 async def test_a_quota_blocked_head_does_not_hold_back_others_and_is_not_passed(backend: Backend) -> None:
