@@ -2,9 +2,9 @@
 
 A tenant's virtual time ``vt`` is the integral of the bytes it holds over time, divided by its
 weight (byte-seconds per unit of weight), brought up to date lazily. Dispatch serves the tenant
-with the lowest ``vt`` first. A tenant that starts waiting is lifted to the lowest ``vt`` of those
-already waiting (of those holding bytes, when nobody waits) less the lead it had over them when
-its last waiter left: it keeps its standing, but time without waiters banks no credit. This
+with the lowest ``vt`` first. A tenant that starts waiting is lifted so that it has no more lead
+over the tenants it was measured against when its last waiter left (the lowest and the highest of
+the others then) than it had; it keeps its standing, but time without waiters banks no credit. This
 module keeps the accounts; the decision itself is the ledger's (docs/admission.md, "Tenants and
 fair share"). The Redis ledger keeps the same accounts in Lua (``_redis_lua``) with the same
 arithmetic in the same order, so both backends compute the same floats.
@@ -35,13 +35,60 @@ def check_quota(policy: TenantPolicy, nbytes: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Lead:
+    """How far a tenant's ``vt`` was below two others' when its last waiter left: the lowest of
+    the others then (``credit``) and the highest (``high_credit``), by name ('' for none)."""
+
+    credit: float = 0.0
+    low: str = ""
+    high_credit: float = 0.0
+    high: str = ""
+
+
+NO_LEAD = Lead()
+
+
+@dataclass(frozen=True, slots=True)
 class Standing:
     """A tenant's place in the fair-share order at one moment (what ``Retry-After`` needs)."""
 
     vt: float
-    credit: float
     waiting: int
     in_flight: int
+    lead: Lead = NO_LEAD
+
+
+def measure(others: Mapping[str, float], vt: float) -> Lead:
+    """The lead of a tenant at ``vt`` over ``others`` (name -> vt, the ones ``lift`` reads): over
+    the lowest and the highest of them, ties going to the first name in code-point order."""
+    if not others:
+        return NO_LEAD
+    by_name = sorted(others.items())  # min and max keep the first of equals: the Lua scripts do the same
+    low = min(by_name, key=lambda item: item[1])
+    high = max(by_name, key=lambda item: item[1])
+    return Lead(max(0.0, low[1] - vt), low[0], max(0.0, high[1] - vt), high[0])
+
+
+def lift(others: Mapping[str, float], lead: Lead) -> float | None:
+    """The virtual time a tenant that starts waiting is lifted to (at least), or None.
+
+    Against the tenants its lead was measured against that are still among ``others``: no more
+    lead over either than it had, and never behind the lowest of ``others``. When neither is, its
+    lead over the lowest then is applied to the lowest now.
+    """
+    if not others:
+        return None
+    floor = min(others.values())
+    pairs = ((lead.low, lead.credit), (lead.high, lead.high_credit))
+    kept = [others[name] - credit for name, credit in pairs if name in others]
+    return min(floor, max(kept)) if kept else floor - lead.credit
+
+
+def others_of(standings: Mapping[str, tuple[float, int, int]], tenant: str) -> dict[str, float]:
+    """Of ``standings`` (name -> (vt, waiting, in flight)), the others a tenant is lifted against:
+    those that wait, or those that hold when none waits."""
+    waiting = {name: vt for name, (vt, waits, _) in standings.items() if waits and name != tenant}
+    return waiting or {name: vt for name, (vt, _, holds) in standings.items() if holds and name != tenant}
 
 
 def arrival_vt(standings: Mapping[str, Standing], tenant: str) -> float:
@@ -50,11 +97,10 @@ def arrival_vt(standings: Mapping[str, Standing], tenant: str) -> float:
     mine = standings.get(tenant)
     vt = 0.0 if mine is None else mine.vt
     if mine is None or not mine.waiting:
-        others = [s for name, s in standings.items() if name != tenant]
-        floor = [s.vt for s in others if s.waiting] or [s.vt for s in others if s.in_flight]
-        credit = 0.0 if mine is None else mine.credit
-        if floor and min(floor) - credit > vt:
-            vt = min(floor) - credit
+        others = others_of({name: (s.vt, s.waiting, s.in_flight) for name, s in standings.items()}, tenant)
+        target = lift(others, NO_LEAD if mine is None else mine.lead)
+        if target is not None and target > vt:
+            vt = target
     return vt
 
 
@@ -81,7 +127,7 @@ def lanes_ahead(
 class Account:
     """One tenant's share of a ledger."""
 
-    __slots__ = ("credit", "held", "in_flight", "last", "name", "policy", "served", "vt", "waiting", "waiting_bytes")
+    __slots__ = ("held", "in_flight", "last", "lead", "name", "policy", "served", "vt", "waiting", "waiting_bytes")
 
     def __init__(self, name: str, policy: TenantPolicy, now: float) -> None:
         self.name = name
@@ -95,8 +141,8 @@ class Account:
         #: Byte-seconds held up to ``last``.
         self.served = 0.0
         self.last = now
-        #: How far its ``vt`` was below the others' when its last waiter left (0 if not below).
-        self.credit = 0.0
+        #: How far its ``vt`` was below the others' when its last waiter left.
+        self.lead = NO_LEAD
 
     def vt_at(self, now: float) -> float:
         """The virtual time at ``now``, without bringing it up to date (so the stored value only
@@ -170,30 +216,25 @@ class FairShare:
         account = self.account(name, now)
         if not account.waiting:
             account.advance(now)
-            floor = self._floor(account, now)
-            if floor is not None and floor - account.credit > account.vt:
-                account.vt = floor - account.credit
+            target = lift(self._others(account, now), account.lead)
+            if target is not None and target > account.vt:
+                account.vt = target
         account.waiting += 1
         account.waiting_bytes += nbytes
         self._touch(account, now)
 
     def left(self, name: str, nbytes: int, now: float) -> None:
-        """A waiter left the queue (admitted, timed out or cancelled); the last one records the credit."""
+        """A waiter left the queue (admitted, timed out or cancelled); the last one records the lead."""
         account = self.account(name, now)
         account.waiting -= 1
         account.waiting_bytes -= nbytes
         if not account.waiting:
-            floor = self._floor(account, now)
-            account.credit = 0.0
-            if floor is not None and floor - account.vt_at(now) > 0:
-                account.credit = floor - account.vt_at(now)
+            account.lead = measure(self._others(account, now), account.vt_at(now))
         self._touch(account, now)
 
-    def _floor(self, account: Account, now: float) -> float | None:
-        """The lowest ``vt`` of the other tenants that wait (of those that hold, when none waits)."""
-        waiting = [a.vt_at(now) for a in self.active.values() if a.waiting and a is not account]
-        floor = waiting or [a.vt_at(now) for a in self.active.values() if a.in_flight and a is not account]
-        return min(floor) if floor else None
+    def _others(self, account: Account, now: float) -> dict[str, float]:
+        """The virtual times of the other tenants that wait (of those that hold, when none waits)."""
+        return others_of({a.name: (a.vt_at(now), a.waiting, a.in_flight) for a in self.active.values()}, account.name)
 
     def _touch(self, account: Account, now: float) -> None:
         if account.idle:
@@ -219,7 +260,9 @@ class FairShare:
         accounts = dict(self.active)
         if tenant in self.accounts:
             accounts[tenant] = self.accounts[tenant]
-        return {name: Standing(a.vt_at(now), a.credit, a.waiting, a.in_flight) for name, a in accounts.items()}
+        return {
+            name: Standing(a.vt_at(now), a.waiting, a.in_flight, a.lead) for name, a in accounts.items()
+        }
 
     def statistics(self, now: float) -> tuple[TenantStatistics, ...]:
         """Every tenant that holds or waits, and every configured one, by name."""

@@ -16,8 +16,9 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
 - ``boot``     hash: ``id`` of this Redis dataset (set when a script finds none), ``warm`` until when
   grants pause after a data loss
 - ``tenants``  set of the tenants that hold or wait; each has a hash ``tenants:<name>``: ``held``,
-  ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt``, ``served`` and ``credit`` (floats
-  written with ``%.17g``, so they read back exactly), ``last`` (ms). An idle tenant's hash expires after the
+  ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt``, ``served``, ``credit`` and
+  ``hcredit`` (floats written with ``%.17g``, so they read back exactly), ``last`` (ms), ``low`` and
+  ``high`` (the tenants ``credit`` and ``hcredit`` were measured against). An idle tenant's hash expires after the
   ledger's ``tenant_idle_ttl`` (``PEXPIRE`` when it becomes idle, ``PERSIST`` when it is used again)
 - ``holder``   hash, lease id → tenant
 
@@ -114,19 +115,20 @@ end
 -- Tenants' accounts: the same fields and arithmetic as gpu_asgi/_fair_share.py.
 local function account(t)
   local r = redis.call('HMGET', K_TEN .. ':' .. t, 'held', 'inflight', 'waiting', 'wbytes', 'vt', 'served', 'last',
-    'credit')
+    'credit', 'low', 'hcredit', 'high')
   local policy = cfg.tenants[t] or cfg.default
   return {name = t, weight = policy[1], quota = policy[2], held = tonumber(r[1] or '0'),
     inflight = tonumber(r[2] or '0'), waiting = tonumber(r[3] or '0'), wbytes = tonumber(r[4] or '0'),
     vt = tonumber(r[5] or '0'), served = tonumber(r[6] or '0'), last = tonumber(r[7] or now),
-    credit = tonumber(r[8] or '0')}
+    credit = tonumber(r[8] or '0'), low = r[9] or '', hcredit = tonumber(r[10] or '0'), high = r[11] or ''}
 end
 
 local function save(a)
   local key = K_TEN .. ':' .. a.name
   redis.call('HSET', key, 'held', int(a.held), 'inflight', int(a.inflight), 'waiting', int(a.waiting),
     'wbytes', int(a.wbytes), 'vt', string.format('%.17g', a.vt), 'served', string.format('%.17g', a.served),
-    'last', int(a.last), 'credit', string.format('%.17g', a.credit))
+    'last', int(a.last), 'credit', string.format('%.17g', a.credit), 'low', a.low,
+    'hcredit', string.format('%.17g', a.hcredit), 'high', a.high)
   if a.inflight > 0 or a.waiting > 0 then
     redis.call('PERSIST', key)
     redis.call('SADD', K_TEN, a.name)
@@ -158,41 +160,75 @@ local function tenant_holds(t, n, leases)
   save(a)
 end
 
--- The lowest virtual time of the other tenants that wait (of those that hold, when none waits).
-local function floor_for(t)
-  local waiting, holding = nil, nil
+-- Whether name x comes before y byte by byte (code-point order for UTF-8, as Python's sort:
+-- Lua's own '<' follows the server's locale).
+local function before(x, y)
+  for i = 1, math.min(#x, #y) do
+    local p, q = string.byte(x, i), string.byte(y, i)
+    if p ~= q then return p < q end
+  end
+  return #x < #y
+end
+
+-- The virtual times of the other tenants that wait (of those that hold, when none waits), by
+-- name, and the lowest and highest of them (the first name among equals).
+local function others_of(t)
+  local waiting, holding = {}, {}
   for _, other in ipairs(redis.call('SMEMBERS', K_TEN)) do
     if other ~= t then
       local b = account(other)
-      local v = vt_at(b)
-      if b.waiting > 0 and (waiting == nil or v < waiting) then waiting = v end
-      if b.inflight > 0 and (holding == nil or v < holding) then holding = v end
+      if b.waiting > 0 then waiting[other] = vt_at(b) end
+      if b.inflight > 0 then holding[other] = vt_at(b) end
     end
   end
-  return waiting or holding
+  local others = next(waiting) and waiting or holding
+  local low, high = nil, nil
+  for name, v in pairs(others) do
+    if low == nil or v < others[low] or (v == others[low] and before(name, low)) then low = name end
+    if high == nil or v > others[high] or (v == others[high] and before(name, high)) then high = name end
+  end
+  return others, low, high
 end
 
--- A waiter joins; the tenant's first one lifts its virtual time to that floor less the credit it
--- had when its last waiter left: it keeps its standing, and gains none while it has no waiters.
+-- A waiter joins; the tenant's first one is lifted (_fair_share.lift): no more lead than it had
+-- over the tenants it was measured against that are still among the others, never behind the
+-- lowest; when neither is, its credit against the lowest now.
 local function tenant_queued(t, n)
   local a = account(t)
   if a.waiting == 0 then
     advance(a)
-    local floor = floor_for(t)
-    if floor and floor - a.credit > a.vt then a.vt = floor - a.credit end
+    local others, low = others_of(t)
+    if low then
+      local floor = others[low]
+      local target = floor - a.credit
+      local kept = nil
+      if others[a.low] then kept = others[a.low] - a.credit end
+      if others[a.high] then
+        local k = others[a.high] - a.hcredit
+        if kept == nil or k > kept then kept = k end
+      end
+      if kept ~= nil then target = math.min(floor, kept) end
+      if target > a.vt then a.vt = target end
+    end
   end
   a.waiting, a.wbytes = a.waiting + 1, a.wbytes + n
   save(a)
 end
 
--- A waiter left (admitted, timed out, cancelled); the tenant's last one records its credit.
+-- A waiter left (admitted, timed out, cancelled); the tenant's last one records its lead over the
+-- lowest and the highest of the others (_fair_share.measure).
 local function tenant_left(t, n)
   local a = account(t)
   a.waiting, a.wbytes = math.max(0, a.waiting - 1), math.max(0, a.wbytes - n)
   if a.waiting == 0 then
-    local floor = floor_for(t)
-    a.credit = 0
-    if floor and floor - vt_at(a) > 0 then a.credit = floor - vt_at(a) end
+    local others, low, high = others_of(t)
+    a.credit, a.low, a.hcredit, a.high = 0, '', 0, ''
+    if low then
+      local v = vt_at(a)
+      a.low, a.high = low, high
+      if others[low] - v > 0 then a.credit = others[low] - v end
+      if others[high] - v > 0 then a.hcredit = others[high] - v end
+    end
   end
   save(a)
 end
@@ -507,7 +543,8 @@ local function main()
     local served = a.served
     if now > a.last then served = served + a.held * ((now - a.last) / 1000) end
     tenants[#tenants + 1] = {t, int(a.held), int(a.inflight), int(a.waiting), int(a.wbytes),
-      string.format('%.17g', served), string.format('%.17g', vt_at(a)), string.format('%.17g', a.credit)}
+      string.format('%.17g', served), string.format('%.17g', vt_at(a)), string.format('%.17g', a.credit), a.low,
+      string.format('%.17g', a.hcredit), a.high}
   end
   for _, t in ipairs(redis.call('SMEMBERS', K_TEN)) do row(t) end
   for t, _ in pairs(cfg.tenants) do row(t) end

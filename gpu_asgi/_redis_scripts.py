@@ -14,7 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redis_lua as lua
 from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, retry_after
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL, Standing, lanes_ahead
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing, lanes_ahead
 from ._ledger import DeviceStatistics, LedgerStatistics, bytes_ahead
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
@@ -214,11 +214,13 @@ class LedgerScripts:
             busy_seconds=float(busy),
             tenants={
                 text(name): (int(held), int(leases), int(queued), int(queued_bytes), float(served))
-                for name, held, leases, queued, queued_bytes, served, _, _ in tenants
+                for name, held, leases, queued, queued_bytes, served, *_ in tenants
             },
             standings={
-                text(name): Standing(float(vt), float(credit), int(queued), int(leases))
-                for name, _, leases, queued, _, _, vt, credit in tenants
+                text(name): Standing(
+                    float(vt), int(queued), int(leases), Lead(float(credit), text(low), float(high_credit), text(high))
+                )
+                for name, _, leases, queued, _, _, vt, credit, low, high_credit, high in tenants
             },
         )
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, Reservation, TenantPolicy
+from gpu_asgi._fair_share import NO_LEAD, Lead, Standing, arrival_vt, lift, measure
 
 from . import _redis
 from ._asgi import settle
@@ -226,6 +227,67 @@ async def test_a_tenant_whose_queue_empties_for_a_moment_keeps_its_standing(back
     clock.advance(1)
     second.release()
     (await granted(b1)).release()
+
+
+async def test_a_tenant_keeps_its_lead_over_a_tenant_that_still_waits_when_the_lowest_has_left(
+    backend: Backend,
+) -> None:
+    """a waited 10 s beside heavy and got 60 byte-seconds to heavy's 900; when its last waiter
+    left, b (40) was the lowest other waiter, so a was not ahead of the lowest. b then stops
+    waiting. When a queues again it keeps its lead over heavy, which still waits: heavy's earlier
+    waiter does not go first. (Measured against the lowest alone, a was lifted to a tie with heavy
+    and went after heavy's earlier waiter.)"""
+    clock = backend.clock
+    ledger = backend.make(100)
+    heavy = await ledger.reserve(80, tenant="heavy")
+    heavy_small = await ledger.reserve(10, tenant="heavy")
+    a_held = await ledger.reserve(6, tenant="a")
+    await ledger.reserve(4, tenant="b")
+    heavy_waiter = start(ledger, 10, tenant="heavy")
+    await backend.queued(ledger, 1)
+    a1 = start(ledger, 6, tenant="a")
+    await backend.queued(ledger, 2)
+    b1 = start(ledger, 8, tenant="b")
+    await backend.queued(ledger, 3)
+    clock.advance(10)  # vt: heavy 900, a 60, b 40
+    a_held.release()
+    a_first = await granted(a1)  # b's head is ahead of it but does not fit the 6 bytes
+    b1.cancel()
+    await asyncio.wait([b1])
+    await backend.queued(ledger, 1)  # only heavy waits now
+    clock.advance(10)
+    a2 = start(ledger, 6, tenant="a")
+    await backend.queued(ledger, 2)
+    heavy_small.release()  # 10 bytes: heavy's waiter or a's, not both
+    a_second = await granted(a2)
+    assert await backend.still_waiting(heavy_waiter)
+    for reservation in (a_first, a_second, heavy):
+        clock.advance(1)
+        reservation.release()
+    (await granted(heavy_waiter)).release()
+
+
+def test_the_lift_keeps_no_more_lead_than_a_tenant_had_and_never_puts_it_behind_the_lowest() -> None:
+    """The lift's arithmetic (the same in Lua): leads are measured against the lowest and the
+    highest other, by name, and kept against whichever of them is still among the others."""
+    lead = measure({"b": 40.0, "heavy": 900.0, "c": 40.0}, 60.0)
+    assert lead == Lead(0.0, "b", 840.0, "heavy")  # equal lowest: the first name
+    # heavy still waits, b does not: the lead over heavy is kept, the time since banks nothing.
+    assert lift({"heavy": 1800.0}, lead) == 960.0
+    # Both still wait: no more lead over either than it had (b gained on heavy meanwhile).
+    assert lift({"heavy": 1800.0, "b": 1500.0}, lead) == 1500.0
+    # Never behind the lowest of those waiting now, whatever its lead over the others.
+    assert lift({"heavy": 1800.0, "d": 100.0}, lead) == 100.0
+    # Neither waits: the credit against the lowest then, against the lowest now.
+    assert lift({"d": 100.0}, Lead(30.0, "b", 840.0, "heavy")) == 70.0
+    # A tenant that never waited is lifted to the lowest; with nobody else there is no lift.
+    assert lift({"heavy": 1800.0, "d": 100.0}, NO_LEAD) == 100.0
+    assert lift({}, lead) is None
+    assert measure({}, 5.0) == NO_LEAD
+    # Retry-After orders an arriving request by the same lift.
+    standings = {"heavy": Standing(1800.0, 1, 1), "a": Standing(120.0, 0, 1, lead)}
+    assert arrival_vt(standings, "a") == 960.0
+    assert arrival_vt(standings, "new") == 1800.0
 
 
 async def test_a_quota_blocked_head_does_not_hold_back_others_and_is_not_passed(backend: Backend) -> None:

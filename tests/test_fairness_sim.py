@@ -17,7 +17,9 @@ def test_jain_index() -> None:
 def test_fair_share_divides_byte_seconds_by_weight_while_all_are_backlogged() -> None:
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.9, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
-    arrivals = tenant_workload(2000, seed=3, estimator=estimator, load=4.0, budget=budget)
+    # 4000 requests (the benchmark's): with 2000, all five are backlogged for only ~35 s, and the
+    # shares over that window miss 0.2 by up to 0.09 depending on the seed (either lift rule).
+    arrivals = tenant_workload(4000, seed=3, estimator=estimator, load=4.0, budget=budget)
     on, off = (simulate(fresh(arrivals, True), budget, fair, max_queue=Queues(4096), max_wait=30.0) for fair in (True, False))
     for result in (on, off):
         assert result["oom_count"] == 0
