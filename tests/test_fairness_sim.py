@@ -1,11 +1,12 @@
 """The fairness simulation behind docs/benchmarks.md ("Fair share between tenants"), small: with
 fair share on, the heavy tenant gets its weight's share of the byte-seconds while all tenants are
-backlogged; with everyone one tenant (the baseline) it gets most of them."""
+backlogged; with everyone one tenant (the baseline) it gets most of them; with deadline-aware
+admission, fewer requests time out in the queue."""
 
 from __future__ import annotations
 
 from gpu_asgi import AnalyticEstimator, budget_bytes
-from tests.benchmarks.bench_fairness import HEAVY, LIGHTS, Queues, fresh, jain, simulate, tenant_workload
+from tests.benchmarks.bench_fairness import HEAVY, LIGHTS, Queues, clients, fresh, jain, simulate, tenant_workload
 from tests.benchmarks.bench_overload import DEVICE_BYTES, QWEN2_1_5B, RUNTIME_OVERHEAD, WEIGHTS_BYTES
 
 
@@ -41,3 +42,20 @@ def test_a_per_tenant_queue_bound_keeps_the_heavy_tenant_from_filling_the_shared
     )
     assert bounded["light_not_admitted"] < shared["light_not_admitted"] / 2
     assert bounded["jain"] > shared["jain"]
+
+
+def test_deadline_aware_admission_among_tenants_refuses_up_front_what_would_time_out() -> None:
+    """Fair share on, each client with a deadline in [2, 30] s: the middleware's decision
+    (``queue_timeout`` with the tenant) refuses some requests at once, and fewer time out in the
+    queue than when every request waits until its client gives up."""
+    estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
+    budget = budget_bytes(DEVICE_BYTES, utilization=0.9, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
+    arrivals = clients(1000, seed=3, estimator=estimator, load=4.0, budget=budget, min_deadline=2.0, max_wait=30.0)
+    off, on = (
+        simulate(fresh(arrivals, True), budget, True, Queues(4096), 30.0, deadline_aware=aware) for aware in (False, True)
+    )
+    assert off["unmeetable"] == 0 and on["unmeetable"] > 0
+    assert off["timeout"] > 100 and on["timeout"] < off["timeout"] / 2
+    for result in (off, on):
+        assert result["oom"] == result["oom_count"] == 0
+        assert sum(result[k] for k in ("ok", "rejected", "unmeetable", "timeout")) == len(arrivals)
