@@ -28,8 +28,9 @@ i.e. ``queue_timeout`` with the tenant): refused at once when the predicted wait
 
 Ledgers: the in-process ``Ledger`` in virtual time (deterministic; the deadline runs summed over
 ``--deadline-seeds`` arrival sequences), and the ``RedisLedger`` (a private redis-server) in real
-time with every duration, its heartbeat included, scaled by ``--time-scale`` (the deadline runs on
-one sequence, ``--seed``'s, next to the in-process ledger on the same one). ``Retry-After``'s 1 s
+time with every duration scaled by ``--time-scale`` (its heartbeat only in the deadline runs, see
+``redis_ledger``; the deadline runs on one sequence, ``--seed``'s, next to the in-process ledger
+on the same one). ``Retry-After``'s 1 s
 floor is not scaled: in simulated seconds it is 1 / ``--time-scale``, so a deadline shorter than
 that is refused only when the predicted wait exceeds the floor. The output ends with a verdict:
 each of issue 11's bars per ledger, met or not, with its figure.
@@ -434,13 +435,21 @@ HEADER = [
 ]
 
 
-def redis_ledger(url: str, budget: int, fair: bool, max_queue: Queues, max_wait: float, scale: float) -> RedisLedger:
-    """A fresh namespace on the private server; the heartbeat (the age of the snapshot behind
-    ``retry_after`` and ``statistics``) scaled like every other duration."""
+def redis_ledger(
+    url: str, budget: int, fair: bool, max_queue: Queues, max_wait: float, scale: float, scaled_heartbeat: bool = False
+) -> RedisLedger:
+    """A fresh namespace on the private server.
+
+    ``scaled_heartbeat``: the heartbeat, i.e. the age of the snapshot behind ``retry_after`` (the
+    deadline decision), scaled like every other duration. It also bounds the waiters' fallback
+    poll, so every waiter then asks Redis ``1 / scale`` times as often: the fair-share runs, with
+    over a thousand waiters, keep the default (fair share is decided in Redis, not from the snapshot).
+    """
     from gpu_asgi.redis_ledger import DEFAULT_LEASE_TTL, RedisLedger  # the redis extra
 
+    heartbeat = DEFAULT_LEASE_TTL / 3 * (scale if scaled_heartbeat else 1)
     return RedisLedger(url, budget, namespace=f"fair-{uuid.uuid4().hex[:8]}", max_queue=max_queue.total,
-                       max_wait=max_wait * scale, heartbeat=DEFAULT_LEASE_TTL / 3 * scale, tenants=max_queue.tenants(fair))
+                       max_wait=max_wait * scale, heartbeat=heartbeat, tenants=max_queue.tenants(fair))
 
 
 async def redis_runs(
@@ -464,7 +473,7 @@ async def redis_deadline_runs(
     """Deadlines off and on (fair share on, heavy tenant present): results by ``deadline_aware``."""
     runs = {}
     for deadline_aware in (False, True):
-        ledger = redis_ledger(url, budget, True, max_queue, max_wait, scale)
+        ledger = redis_ledger(url, budget, True, max_queue, max_wait, scale, scaled_heartbeat=True)
         try:
             runs[deadline_aware] = await run_realtime(
                 ledger, fresh(arrivals, True), budget, True, max_wait, scale, deadline_aware
