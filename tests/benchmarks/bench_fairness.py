@@ -30,10 +30,10 @@ Ledgers: the in-process ``Ledger`` in virtual time (deterministic; the deadline 
 ``--deadline-seeds`` arrival sequences), and the ``RedisLedger`` (a private redis-server) in real
 time with every duration scaled by ``--time-scale`` (its heartbeat only in the deadline runs, see
 ``redis_ledger``; the deadline runs on one sequence, ``--seed``'s, next to the in-process ledger
-on the same one). ``Retry-After``'s 1 s
-floor is not scaled: in simulated seconds it is 1 / ``--time-scale``, so a deadline shorter than
-that is refused only when the predicted wait exceeds the floor. The output ends with a verdict:
-each of issue 11's bars per ledger, met or not, with its figure.
+on the same one). ``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
+1 / ``--time-scale``, so a deadline shorter than that is refused only when the predicted wait
+exceeds the floor. The output ends with a verdict: each of issue 11's bars per ledger, met or not,
+with its figure.
 """
 
 from __future__ import annotations
@@ -533,8 +533,10 @@ def check(value: float, met: bool, text: str) -> str:
 
 
 def verdict(fairness: dict[tuple[str, float], dict[tuple[bool, bool], dict[str, Any]]],
-            deadlines: dict[tuple[str, float], dict[bool, dict[str, Any]]], ledgers: Sequence[str]) -> list[list[str]]:
-    """Issue 11's bars, per ledger and load, from this run's results (fair share on)."""
+            deadlines: dict[tuple[str, float], dict[bool, dict[str, Any]]], oom: dict[str, int]) -> list[list[str]]:
+    """Issue 11's bars, per ledger and load, from this run's results (fair share on); ``oom``: the
+    OOM count of every run, by ledger."""
+    ledgers = list(oom)
     rows: list[list[str]] = []
     loads = sorted({load for _, load in fairness} | {load for _, load in deadlines})
     weight = 1 / len(TENANTS)
@@ -572,9 +574,6 @@ def verdict(fairness: dict[tuple[str, float], dict[tuple[bool, bool], dict[str, 
         ("Jain's index >= 0.95", jain_index),
     ):
         rows += [[bar, f"{load:g}x", *(cell(ledger, load, judge) for ledger in ledgers)] for load in loads]
-    oom = {ledger: sum(r["oom_count"] for (name, _), runs in fairness.items() if name == ledger for r in runs.values())
-           + sum(r["oom"] for (name, _), runs in deadlines.items() if name == ledger for r in runs.values())
-           for ledger in ledgers}
     rows.append(["0 OOM (every run above)", "all", *(check(oom[ledger], oom[ledger] == 0, "{} OOM") for ledger in ledgers)])
     for load in loads:
         cells = []
@@ -670,6 +669,8 @@ def main() -> None:
                 runs = f"seed {args.seed}, {len(arrivals)}"
                 side = run_deadlines([arrivals], budget, queues[0], args.max_wait)  # the very same requests
                 deadline_rows += [deadline_row(memory, load, runs, t) for t in side.values()]
+                results.append({"ledger": "memory", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
+                                "load": load, "max_queue": str(queues[0]), "off": side[False], "on": side[True]})
                 timed = asyncio.run(
                     redis_deadline_runs(server.url, arrivals, budget, queues[0], args.max_wait, args.time_scale)
                 )
@@ -687,7 +688,12 @@ def main() -> None:
         print(f"\nclient deadlines uniform in [{args.min_deadline:g}, {args.max_wait:g}] s, fair share on, "
               f"max_queue {queues[0]}; several seeds: summed; goodput per second of offered time")
         print(table(deadline_rows, DEADLINE_HEADER))
-    checks = verdict(fairness, deadlines, ledgers)
+    oom = dict.fromkeys(ledgers, 0)
+    for entry in results:  # every run of this command, the side-by-side ones under the in-process ledger
+        oom[memory if entry["ledger"] == "memory" else redis] += sum(
+            entry[run]["oom"] for run in ("present", "absent", "off", "on") if run in entry
+        )
+    checks = verdict(fairness, deadlines, oom)
     print(f"\nverdict: issue 11's bars, fair share on, max_queue {queues[0]}, from the runs above")
     print(table(checks, ["bar", "load", *ledgers]))
     print("report:", write_report("fairness", {"args": vars(args), "budget_bytes": budget, "results": results,
