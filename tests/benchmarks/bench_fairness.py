@@ -641,8 +641,8 @@ def main() -> None:
         totals = run_deadlines([clients(args.requests, s, estimator, load, budget, args.min_deadline, args.max_wait)
                                 for s in seeds], budget, queues[0], args.max_wait)
         deadlines[memory, load] = totals
-        runs = f"seeds {seeds.start}-{seeds.stop - 1}, {args.requests} each"
-        deadline_rows += [deadline_row(memory, load, runs, t) for t in totals.values()]
+        sequences = f"seeds {seeds.start}-{seeds.stop - 1}, {args.requests} each"
+        deadline_rows += [deadline_row(memory, load, sequences, t) for t in totals.values()]
         results.append({"ledger": "memory", "deadlines": True, "requests": args.requests, "seeds": list(seeds), "load": load,
                         "max_queue": str(queues[0]), "off": totals[False], "on": totals[True]})
     ledgers = [memory]
@@ -666,9 +666,9 @@ def main() -> None:
             for load in floats(args.deadline_loads):
                 arrivals = clients(args.redis_requests, args.seed, estimator, load, budget, args.min_deadline,
                                    args.max_wait)
-                runs = f"seed {args.seed}, {len(arrivals)}"
+                sequences = f"seed {args.seed}, {len(arrivals)}"
                 side = run_deadlines([arrivals], budget, queues[0], args.max_wait)  # the very same requests
-                deadline_rows += [deadline_row(memory, load, runs, t) for t in side.values()]
+                deadline_rows += [deadline_row(memory, load, sequences, t) for t in side.values()]
                 results.append({"ledger": "memory", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
                                 "load": load, "max_queue": str(queues[0]), "off": side[False], "on": side[True]})
                 timed = asyncio.run(
@@ -677,7 +677,7 @@ def main() -> None:
                 totals = {aware: deadline_totals(f"deadlines-{'on' if aware else 'off'}", [run])
                           for aware, run in timed.items()}
                 deadlines[redis, load] = totals
-                deadline_rows += [deadline_row(redis, load, runs, t) for t in totals.values()]
+                deadline_rows += [deadline_row(redis, load, sequences, t) for t in totals.values()]
                 results.append({"ledger": "redis", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
                                 "load": load, "max_queue": str(queues[0]), "off": totals[False], "on": totals[True]})
         finally:
