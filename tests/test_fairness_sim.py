@@ -1,11 +1,24 @@
 """The fairness simulation behind docs/benchmarks.md ("Fair share between tenants"), small: with
 fair share on, the heavy tenant gets its weight's share of the byte-seconds while all tenants are
-backlogged; with everyone one tenant (the baseline) it gets most of them."""
+backlogged; with everyone one tenant (the baseline) it gets most of them; with deadline-aware
+admission, fewer requests time out in the queue."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpu_asgi import AnalyticEstimator, budget_bytes
-from tests.benchmarks.bench_fairness import HEAVY, LIGHTS, Queues, fresh, jain, simulate, tenant_workload
+from tests.benchmarks.bench_fairness import (
+    HEAVY,
+    LIGHTS,
+    Queues,
+    clients,
+    fresh,
+    jain,
+    simulate,
+    tenant_workload,
+    verdict,
+)
 from tests.benchmarks.bench_overload import DEVICE_BYTES, QWEN2_1_5B, RUNTIME_OVERHEAD, WEIGHTS_BYTES
 
 
@@ -43,3 +56,47 @@ def test_a_per_tenant_queue_bound_keeps_the_heavy_tenant_from_filling_the_shared
     )
     assert bounded["light_not_admitted"] < shared["light_not_admitted"] / 2
     assert bounded["jain"] > shared["jain"]
+
+
+def test_deadline_aware_admission_among_tenants_refuses_up_front_what_would_time_out() -> None:
+    """Fair share on, each client with a deadline in [2, 30] s: the middleware's decision
+    (``queue_timeout`` with the tenant) refuses some requests at once, and fewer time out in the
+    queue than when every request waits until its client gives up."""
+    estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
+    budget = budget_bytes(DEVICE_BYTES, utilization=0.9, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
+    arrivals = clients(1000, seed=3, estimator=estimator, load=4.0, budget=budget, min_deadline=2.0, max_wait=30.0)
+    off, on = (
+        simulate(fresh(arrivals, True), budget, True, Queues(4096), 30.0, deadline_aware=aware) for aware in (False, True)
+    )
+    assert off["unmeetable"] == 0 and on["unmeetable"] > 0
+    assert off["timeout"] > 100 and on["timeout"] < off["timeout"] / 2
+    for result in (off, on):
+        assert result["oom"] == result["oom_count"] == 0
+        assert sum(result[k] for k in ("ok", "rejected", "unmeetable", "timeout")) == len(arrivals)
+
+
+def test_verdict_judges_each_bar_by_its_threshold() -> None:
+    """The verdict block: a share 9% off its weight meets the bar and 11% does not; the deadline
+    bar needs both >= 80% fewer timeouts and no goodput lost."""
+    def run(share: float, jain_index: float) -> dict[str, Any]:
+        shares = {HEAVY: 0.2, LIGHTS[0]: share, **dict.fromkeys(LIGHTS[1:], (0.8 - share) / 3)}  # light-1 off
+        return {"light_p99_wait_s": 2.0, "budget_use_while_waiting": 0.95, "shares": shares, "jain": jain_index,
+                "all_backlogged_s": 90.0}
+
+    def absent() -> dict[str, Any]:
+        return {"light_p99_wait_s": 1.0, "budget_use_while_waiting": 0.5}
+
+    def deadline_pair(timeouts_on: int, ok_on: int) -> dict[bool, dict[str, Any]]:
+        return {False: {"timeout": 100, "ok": 1000, "tokens": 10_000, "oom": 0},
+                True: {"timeout": timeouts_on, "ok": ok_on, "tokens": 10_000, "oom": 0}}
+
+    fairness = {("a", 4.0): {(True, True): run(0.218, 0.99), (True, False): absent()},
+                ("b", 4.0): {(True, True): run(0.222, 0.94), (True, False): absent()}}
+    deadlines = {("a", 4.0): deadline_pair(15, 1000), ("b", 4.0): deadline_pair(15, 999)}
+    rows = {row[0]: row[2:] for row in verdict(fairness, deadlines, {"a": 0, "b": 2})}
+    assert [cell.split(":")[0] for cell in rows["byte-s shares within 10% of weights"]] == ["met", "NOT met"]
+    assert [cell.split(":")[0] for cell in rows["Jain's index >= 0.95"]] == ["met", "NOT met"]
+    assert [cell.split(":")[0] for cell in rows["light p99 wait <= 1.5x heavy absent"]] == ["NOT met", "NOT met"]
+    assert [cell.split(":")[0] for cell in rows["0 OOM (every run above)"]] == ["met", "NOT met"]
+    deadline_cells = rows["timeouts >= 80% fewer with deadlines on, equal or better goodput"]
+    assert deadline_cells[0].startswith("met: 85.0% fewer") and deadline_cells[1].startswith("NOT met: 85.0% fewer")

@@ -1,7 +1,8 @@
 """Fair share between tenants on the simulated 24 GB GPU: one heavy tenant and four light ones.
 
-    python -m tests.benchmarks.bench_fairness [--requests 4000] [--loads 2.5,4.0] [--seed 7]
-                                              [--redis-requests 1500] [--time-scale 0.1]
+    python -m tests.benchmarks.bench_fairness [--requests 4000] [--loads 2.0,4.0] [--seed 7]
+                                              [--redis-requests 4000] [--time-scale 0.1]
+                                              [--deadline-loads 2.0,4.0] [--deadline-seeds 8]
 
 The device, model, cost model and request sizes are the overload benchmark's (``bench_overload``:
 ``Simulation``, ``Request``, ``workload``). Each request is drawn for the heavy tenant with
@@ -20,8 +21,19 @@ Measured, per ledger, load and fair share on/off:
 - while all five tenants have a request waiting: each tenant's share of the reserved bytes x
   seconds against its weight's share (0.2 each), and Jain's fairness index over share / weight.
 
-Ledgers: the in-process ``Ledger`` in virtual time (deterministic), and the ``RedisLedger`` (a
-private redis-server) in real time with every duration scaled by ``--time-scale``, fewer requests.
+Deadlines (fair share on, the first max_queue): each client gives up after its own deadline,
+uniform in [``--min-deadline``, ``--max-wait``] s (bench_overload's ``with_deadlines``). Off: every
+request queues until then. On: the middleware's decision (bench_overload's ``deadline_admission``,
+i.e. ``queue_timeout`` with the tenant): refused at once when the predicted wait is longer.
+
+Ledgers: the in-process ``Ledger`` in virtual time (deterministic; the deadline runs summed over
+``--deadline-seeds`` arrival sequences), and the ``RedisLedger`` (a private redis-server) in real
+time with every duration scaled by ``--time-scale`` (its heartbeat only in the deadline runs, see
+``redis_ledger``; the deadline runs on one sequence, ``--seed``'s, next to the in-process ledger
+on the same one). ``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
+1 / ``--time-scale``, so a deadline shorter than that is refused only when the predicted wait
+exceeds the floor. The output ends with a verdict: each of issue 11's bars per ledger, met or not,
+with its figure.
 """
 
 from __future__ import annotations
@@ -35,15 +47,17 @@ import statistics
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_asgi import (
     DEFAULT_TENANT,
     AnalyticEstimator,
     BudgetLedger,
+    DeadlineUnmeetable,
     GPUAdmissionError,
     Ledger,
     QueueTimeout,
+    Reservation,
     TenantPolicy,
     budget_bytes,
 )
@@ -58,8 +72,15 @@ from .bench_overload import (
     Request,
     Simulation,
     _pct,
+    add_up,
+    deadline_admission,
+    deadline_drop,
+    with_deadlines,
     workload,
 )
+
+if TYPE_CHECKING:
+    from gpu_asgi.redis_ledger import RedisLedger
 
 HEAVY = "heavy"
 LIGHTS = ("light-1", "light-2", "light-3", "light-4")
@@ -177,8 +198,14 @@ def make_ledger(budget: int, fair: bool, queues: Queues, clock: Callable[[], flo
     return Ledger(budget, max_queue=queues.total, max_wait=1e9, tenants=queues.tenants(fair), clock=clock)
 
 
-def simulate(arrivals: list[Arrival], budget: int, fair: bool, max_queue: Queues, max_wait: float) -> dict[str, Any]:
-    """The in-process ledger in virtual time (bench_overload's event loop: heap + a spun asyncio loop)."""
+def simulate(
+    arrivals: list[Arrival], budget: int, fair: bool, max_queue: Queues, max_wait: float, deadline_aware: bool = False
+) -> dict[str, Any]:
+    """The in-process ledger in virtual time (bench_overload's event loop: heap + a spun asyncio loop).
+
+    Each client gives up after ``min(max_wait, its deadline)``; ``deadline_aware`` makes the
+    middleware's decision first (``deadline_admission``): refused at once when the predicted wait
+    is longer than the deadline."""
     loop = asyncio.new_event_loop()
     sim = Simulation(budget)
     ledger = make_ledger(budget, fair, max_queue, lambda: sim.now)
@@ -203,14 +230,27 @@ def simulate(arrivals: list[Arrival], budget: int, fair: bool, max_queue: Queues
 
     async def admit(a: Arrival) -> None:
         r = a.request
-        tracker.change(a.tenant, waiting=1)
-        try:
-            reservation = await ledger.reserve(r.estimate, tenant=a.tenant if fair else DEFAULT_TENANT)
-        except GPUAdmissionError:
-            r.outcome = "rejected"
-            return
-        finally:
-            tracker.change(a.tenant, waiting=-1)
+        tenant = a.tenant if fair else DEFAULT_TENANT
+        decision: Reservation | float | None = None
+        if deadline_aware:
+            try:
+                decision = deadline_admission(ledger, r.estimate, r.deadline, tenant)
+            except DeadlineUnmeetable:
+                r.outcome = "unmeetable"
+                return
+            if not isinstance(decision, Reservation):
+                r.predicted = ledger.retry_after(r.estimate, tenant=tenant)  # what the decision saw
+        if isinstance(decision, Reservation):
+            reservation = decision
+        else:  # queue: the client's own timeout event (``timeout`` below) cancels the wait
+            tracker.change(a.tenant, waiting=1)
+            try:
+                reservation = await ledger.reserve(r.estimate, tenant=tenant)
+            except GPUAdmissionError:
+                r.outcome = "rejected"
+                return
+            finally:
+                tracker.change(a.tenant, waiting=-1)
         r.admitted = sim.now
         tracker.change(a.tenant, held=r.estimate)
         if sim.allocated + r.actual > REAL_FREE_BYTES:
@@ -225,7 +265,7 @@ def simulate(arrivals: list[Arrival], budget: int, fair: bool, max_queue: Queues
     def arrive(index: int, a: Arrival) -> None:
         tasks[index] = loop.create_task(admit(a))
         spin()
-        sim.at(a.request.arrival + max_wait, lambda: timeout(index, a))
+        sim.at(a.request.arrival + min(max_wait, a.request.deadline), lambda: timeout(index, a))
 
     def timeout(index: int, a: Arrival) -> None:
         if a.request.admitted is None and a.request.outcome == "pending":
@@ -243,10 +283,15 @@ def simulate(arrivals: list[Arrival], budget: int, fair: bool, max_queue: Queues
 
 
 async def run_realtime(
-    ledger: BudgetLedger, arrivals: list[Arrival], budget: int, fair: bool, max_wait: float, scale: float
+    ledger: BudgetLedger, arrivals: list[Arrival], budget: int, fair: bool, max_wait: float, scale: float,
+    deadline_aware: bool = False,
 ) -> dict[str, Any]:
     """Any ledger in real time: each request a task that sleeps to its arrival, reserves, holds
-    for its (scaled) service time and releases. Times are reported in unscaled seconds."""
+    for its (scaled) service time and releases. Times are reported in unscaled seconds.
+
+    As ``simulate``: each client waits at most ``min(max_wait, its deadline)``, and
+    ``deadline_aware`` makes the middleware's decision (on the scaled deadline: the ledger's
+    predictions are in real seconds)."""
     loop = asyncio.get_running_loop()
     start = loop.time() + 0.2  # room to create the tasks before the first arrival
 
@@ -260,10 +305,21 @@ async def run_realtime(
     async def one(a: Arrival) -> None:
         r = a.request
         await asyncio.sleep(max(0.0, start + r.arrival * scale - loop.time()))
+        tenant = a.tenant if fair else DEFAULT_TENANT
+        decision: Reservation | float = min(max_wait, r.deadline) * scale
+        if deadline_aware:
+            try:
+                decision = deadline_admission(ledger, r.estimate, r.deadline * scale, tenant)
+            except DeadlineUnmeetable:
+                r.outcome = "unmeetable"
+                return
+            if not isinstance(decision, Reservation):
+                r.predicted = ledger.retry_after(r.estimate, tenant=tenant) / scale
         tracker.change(a.tenant, waiting=1)
         try:
-            reservation = await ledger.reserve(
-                r.estimate, tenant=a.tenant if fair else DEFAULT_TENANT, timeout=max_wait * scale
+            reservation = (
+                decision if isinstance(decision, Reservation)
+                else await ledger.reserve(r.estimate, tenant=tenant, timeout=decision)
             )
         except QueueTimeout:
             r.outcome = "timeout"
@@ -302,16 +358,32 @@ def jain(values: Sequence[float]) -> float:
     return total * total / (len(values) * squares) if squares else float("nan")
 
 
+def prediction_error(arrivals: list[Arrival]) -> dict[str, float]:
+    """How good the deadline decision's prediction was: the median of the real wait over the
+    predicted one, for the requests that queued and were admitted, heavy tenant and lights apart."""
+    ratios: dict[str, list[float]] = {"heavy": [], "lights": []}
+    for a in arrivals:
+        r = a.request
+        if r.predicted and r.admitted is not None:
+            ratios["heavy" if a.tenant == HEAVY else "lights"].append((r.admitted - r.arrival) / r.predicted)
+    return {group: statistics.median(values) for group, values in ratios.items() if values}
+
+
 def summarize(arrivals: list[Arrival], tracker: Tracker) -> dict[str, Any]:
     lights = [a.request for a in arrivals if a.tenant != HEAVY]
     waits = sorted(math.inf if r.admitted is None else r.admitted - r.arrival for r in lights)
-    outcomes = {o: sum(a.request.outcome == o for a in arrivals) for o in ("ok", "oom", "rejected", "timeout")}
+    outcomes = {o: sum(a.request.outcome == o for a in arrivals) for o in ("ok", "oom", "rejected", "unmeetable", "timeout")}
     done = [a.request for a in arrivals if a.request.outcome == "ok"]
     first = min(a.request.arrival for a in arrivals)
-    offered_rate = len(arrivals) / (max(a.request.arrival for a in arrivals) - first)
+    offered = max(a.request.arrival for a in arrivals) - first
+    offered_rate = len(arrivals) / offered
     served_rate = len(done) / (max(r.finished for r in done) - first) if done else 0.0  # type: ignore[type-var]
     result: dict[str, Any] = {
         **outcomes,
+        "heavy_timeouts": sum(a.tenant == HEAVY and a.request.outcome == "timeout" for a in arrivals),
+        "wait_over_predicted": prediction_error(arrivals),
+        "offered_seconds": offered,
+        "tokens": sum(r.new_tokens for r in done),
         "offered_over_served": offered_rate / served_rate if served_rate else math.inf,
         "light_requests": len(lights),
         "light_not_admitted": sum(r.admitted is None for r in lights),
@@ -363,25 +435,164 @@ HEADER = [
 ]
 
 
-async def redis_rows(
-    url: str, arrivals: list[Arrival], budget: int, load: float, max_queue: Queues, max_wait: float, scale: float
-) -> tuple[list[list[Any]], list[dict[str, Any]]]:
-    from gpu_asgi.redis_ledger import RedisLedger  # the redis extra
+def redis_ledger(
+    url: str, budget: int, fair: bool, max_queue: Queues, max_wait: float, scale: float, scaled_heartbeat: bool = False
+) -> RedisLedger:
+    """A fresh namespace on the private server.
 
-    rows, results = [], []
+    ``scaled_heartbeat``: the heartbeat, i.e. the age of the snapshot behind ``retry_after`` (the
+    deadline decision), scaled like every other duration. It also bounds the waiters' fallback
+    poll, so every waiter then asks Redis ``1 / scale`` times as often: the fair-share runs, with
+    over a thousand waiters, keep the default (fair share is decided in Redis, not from the snapshot).
+    """
+    from gpu_asgi.redis_ledger import DEFAULT_LEASE_TTL, RedisLedger  # the redis extra
+
+    heartbeat = DEFAULT_LEASE_TTL / 3 * (scale if scaled_heartbeat else 1)
+    return RedisLedger(url, budget, namespace=f"fair-{uuid.uuid4().hex[:8]}", max_queue=max_queue.total,
+                       max_wait=max_wait * scale, heartbeat=heartbeat, tenants=max_queue.tenants(fair))
+
+
+async def redis_runs(
+    url: str, arrivals: list[Arrival], budget: int, max_queue: Queues, max_wait: float, scale: float
+) -> dict[tuple[bool, bool], dict[str, Any]]:
+    """Fair share on and off, heavy tenant present and absent: results by (fair, heavy)."""
+    runs = {}
     for fair in (True, False):
-        runs = {}
         for heavy in (True, False):
-            ledger = RedisLedger(url, budget, namespace=f"fair-{uuid.uuid4().hex[:8]}", max_queue=max_queue.total,
-                                 max_wait=max_wait * scale, tenants=max_queue.tenants(fair))
+            ledger = redis_ledger(url, budget, fair, max_queue, max_wait, scale)
             try:
-                runs[heavy] = await run_realtime(ledger, fresh(arrivals, heavy), budget, fair, max_wait, scale)
+                runs[fair, heavy] = await run_realtime(ledger, fresh(arrivals, heavy), budget, fair, max_wait, scale)
             finally:
                 await ledger.aclose()
-        rows.append(row(f"RedisLedger (real time x{scale:g})", load, max_queue, fair, runs[True], runs[False]))
-        results.append({"ledger": "redis", "requests": len(arrivals), "load": load, "max_queue": str(max_queue), "fair": fair,
-                        "present": runs[True], "absent": runs[False]})
-    return rows, results
+    return runs
+
+
+async def redis_deadline_runs(
+    url: str, arrivals: list[Arrival], budget: int, max_queue: Queues, max_wait: float, scale: float
+) -> dict[bool, dict[str, Any]]:
+    """Deadlines off and on (fair share on, heavy tenant present): results by ``deadline_aware``."""
+    runs = {}
+    for deadline_aware in (False, True):
+        ledger = redis_ledger(url, budget, True, max_queue, max_wait, scale, scaled_heartbeat=True)
+        try:
+            runs[deadline_aware] = await run_realtime(
+                ledger, fresh(arrivals, True), budget, True, max_wait, scale, deadline_aware
+            )
+        finally:
+            await ledger.aclose()
+    return runs
+
+
+def clients(requests: int, seed: int, estimator: AnalyticEstimator, load: float, budget: int, min_deadline: float,
+            max_wait: float) -> list[Arrival]:
+    """``tenant_workload``'s arrivals, each client with its deadline (bench_overload's ``with_deadlines``)."""
+    arrivals = tenant_workload(requests, seed, estimator, load, budget)
+    timed = with_deadlines([a.request for a in arrivals], seed, min_deadline, max_wait)
+    return [Arrival(a.tenant, r) for a, r in zip(arrivals, timed, strict=True)]
+
+
+def deadline_row(ledger: str, load: float, runs: str, result: dict[str, Any]) -> list[Any]:
+    return [
+        ledger, f"{load:g}x", runs, "on" if result["policy"] == "deadlines-on" else "off", result["ok"], result["rejected"],
+        result["unmeetable"], result["timeout"], f"{result['heavy_timeouts']} / {result['timeout'] - result['heavy_timeouts']}",
+        result["oom"], result["goodput_rps_offered"], result["goodput_tokens_per_s_offered"],
+        " / ".join(f"{error[group]:.2f}" if group in error else "-" for group in ("heavy", "lights"))
+        if (error := result["wait_over_predicted"]) else "-",
+    ]
+
+
+DEADLINE_HEADER = [
+    "ledger", "load", "runs", "deadline-aware admission", "ok", "rejected (queue full)", "refused: deadline", "timed out",
+    "timed out heavy / lights", "OOM", "goodput req/s (offered)", "tokens/s (offered)",
+    "queued: median wait / predicted, heavy / lights",
+]
+
+
+def deadline_totals(name: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """``add_up`` plus how many of the timeouts are the heavy tenant's."""
+    total = {**add_up(name, results), "heavy_timeouts": sum(result["heavy_timeouts"] for result in results)}
+    total["wait_over_predicted"] = {  # the median over the runs' medians
+        group: statistics.median(values)
+        for group in ("heavy", "lights")
+        if (values := [result["wait_over_predicted"][group] for result in results if group in result["wait_over_predicted"]])
+    }
+    return total
+
+
+def run_deadlines(arrival_sets: list[list[Arrival]], budget: int, max_queue: Queues, max_wait: float) -> dict[bool, dict[str, Any]]:
+    """Deadlines off and on in virtual time on each arrival sequence, summed."""
+    totals = {}
+    for deadline_aware in (False, True):
+        results = [simulate(fresh(arrivals, True), budget, True, max_queue, max_wait, deadline_aware) for arrivals in arrival_sets]
+        totals[deadline_aware] = deadline_totals(f"deadlines-{'on' if deadline_aware else 'off'}", results)
+    return totals
+
+
+def check(value: float, met: bool, text: str) -> str:
+    return f"{'met' if met else 'NOT met'}: {text.format(value)}"
+
+
+def verdict(fairness: dict[tuple[str, float], dict[tuple[bool, bool], dict[str, Any]]],
+            deadlines: dict[tuple[str, float], dict[bool, dict[str, Any]]], oom: dict[str, int]) -> list[list[str]]:
+    """Issue 11's bars, per ledger and load, from this run's results (fair share on); ``oom``: the
+    OOM count of every run, by ledger."""
+    ledgers = list(oom)
+    rows: list[list[str]] = []
+    loads = sorted({load for _, load in fairness} | {load for _, load in deadlines})
+    weight = 1 / len(TENANTS)
+
+    def cell(ledger: str, load: float, judge: Callable[[dict[tuple[bool, bool], dict[str, Any]]], str]) -> str:
+        runs = fairness.get((ledger, load))
+        return judge(runs) if runs else "-"
+
+    def light_p99(runs: dict[tuple[bool, bool], dict[str, Any]]) -> str:
+        present, absent = runs[True, True]["light_p99_wait_s"], runs[True, False]["light_p99_wait_s"]
+        value = ratio(present, absent)
+        shown = "{:.3g}x" if math.isfinite(value) else "unbounded"
+        return check(value, value <= 1.5, f"{shown} ({present:.3g} s against {absent:.3g} s)")
+
+    def budget_use(runs: dict[tuple[bool, bool], dict[str, Any]]) -> str:
+        use = runs[True, True]["budget_use_while_waiting"]
+        return "-" if use is None else check(use, use >= 0.9, "{:.1%}")
+
+    def shares(runs: dict[tuple[bool, bool], dict[str, Any]]) -> str:
+        result = runs[True, True]
+        if "shares" not in result:
+            return "not measured: never all five backlogged"
+        worst = max(result["shares"].values(), key=lambda s: abs(s / weight - 1))
+        off = worst / weight - 1
+        return check(off, abs(off) <= 0.1, f"worst share {worst:.3f} ({{:+.1%}}) over {result['all_backlogged_s']:.1f} s backlogged")
+
+    def jain_index(runs: dict[tuple[bool, bool], dict[str, Any]]) -> str:
+        value = runs[True, True].get("jain")
+        return "not measured: never all five backlogged" if value is None else check(value, value >= 0.95, "{:.3f}")
+
+    for bar, judge in (
+        ("light p99 wait <= 1.5x heavy absent", light_p99),
+        ("budget use while waiting >= 90%", budget_use),
+        ("byte-s shares within 10% of weights", shares),
+        ("Jain's index >= 0.95", jain_index),
+    ):
+        rows += [[bar, f"{load:g}x", *(cell(ledger, load, judge) for ledger in ledgers)] for load in loads]
+    rows.append(["0 OOM (every run above)", "all", *(check(oom[ledger], oom[ledger] == 0, "{} OOM") for ledger in ledgers)])
+    for load in loads:
+        cells = []
+        for ledger in ledgers:
+            runs = deadlines.get((ledger, load))
+            if runs is None:
+                cells.append("-")
+                continue
+            change = deadline_drop(runs[False], runs[True])
+            met = change["timeout_drop"] >= 0.8 and change["goodput_change"] >= 0 and change["tokens_change"] >= 0
+            cells.append(check(change["timeout_drop"], met, f"{{:.1%}} fewer timeouts ({runs[False]['timeout']} -> "
+                               f"{runs[True]['timeout']}), goodput {change['goodput_change']:+.1%} requests, "
+                               f"{change['tokens_change']:+.1%} tokens"))
+        rows.append(["timeouts >= 80% fewer with deadlines on, equal or better goodput", f"{load:g}x", *cells])
+    return rows
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
 
 
 def main() -> None:
@@ -390,50 +601,103 @@ def main() -> None:
     parser.add_argument("--loads", default="2.0,4.0", help="total offered loads in budgets (>= 2), comma-separated")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--max-queues", default="4096,256,256/64",
-                        help="ledger max_queue values, comma-separated; 256/64: also 64 per tenant (fair share on)")
+                        help="ledger max_queue values, comma-separated; 256/64: also 64 per tenant (fair share on); "
+                             "the first is the Redis runs', the deadline runs' and the verdict's")
     parser.add_argument("--max-wait", type=float, default=30.0)
-    parser.add_argument("--redis-requests", type=int, default=1500, help="requests per RedisLedger run (0: skip Redis)")
-    parser.add_argument("--redis-loads", default="2.0", help="loads for the RedisLedger runs (at the first max_queue)")
+    parser.add_argument("--redis-requests", type=int, default=4000, help="requests per RedisLedger run (0: skip Redis)")
+    parser.add_argument("--redis-loads", default="2.0,4.0", help="loads for the RedisLedger runs")
     parser.add_argument("--time-scale", type=float, default=0.1, help="real seconds per simulated second (Redis runs)")
+    parser.add_argument("--deadline-loads", default="2.0,4.0", help="loads for the deadline runs (empty: none)")
+    parser.add_argument("--min-deadline", type=float, default=2.0, help="shortest client deadline; the longest is --max-wait")
+    parser.add_argument("--deadline-seeds", type=int, default=8, help="arrival sequences per in-process deadline run, summed")
     args = parser.parse_args()
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
     queues = [Queues.parse(x) for x in args.max_queues.split(",")]
+    memory, redis = "Ledger (virtual time)", f"RedisLedger (real time x{args.time_scale:g})"
+    fairness: dict[tuple[str, float], dict[tuple[bool, bool], dict[str, Any]]] = {}  # for the verdict
+
+    def in_process(arrivals: list[Arrival], load: float, max_queue: Queues, fairs: Sequence[bool], label: str) -> None:
+        for fair in fairs:
+            present = simulate(fresh(arrivals, True), budget, fair, max_queue, args.max_wait)
+            absent = simulate(fresh(arrivals, False), budget, fair, max_queue, args.max_wait)
+            rows.append(row(label, load, max_queue, fair, present, absent))
+            results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": str(max_queue),
+                            "fair": fair, "present": present, "absent": absent})
+            if fair and max_queue == queues[0]:
+                fairness[label, load] = {(True, True): present, (True, False): absent}
+
     for max_queue in queues:
-        for load in (float(x) for x in args.loads.split(",")):
+        for load in floats(args.loads):
             arrivals = tenant_workload(args.requests, args.seed, estimator, load, budget)
             # A per-tenant bound means nothing with one tenant: its "off" row is the plain max_queue's.
-            for fair in (True, False) if max_queue.per_tenant is None else (True,):
-                present = simulate(fresh(arrivals, True), budget, fair, max_queue, args.max_wait)
-                absent = simulate(fresh(arrivals, False), budget, fair, max_queue, args.max_wait)
-                rows.append(row("Ledger (virtual time)", load, max_queue, fair, present, absent))
-                results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": str(max_queue),
-                                "fair": fair, "present": present, "absent": absent})
+            in_process(arrivals, load, max_queue, (True, False) if max_queue.per_tenant is None else (True,), memory)
+    deadline_rows: list[list[Any]] = []
+    deadlines: dict[tuple[str, float], dict[bool, dict[str, Any]]] = {}
+    seeds = range(args.seed, args.seed + args.deadline_seeds)
+    for load in floats(args.deadline_loads):
+        totals = run_deadlines([clients(args.requests, s, estimator, load, budget, args.min_deadline, args.max_wait)
+                                for s in seeds], budget, queues[0], args.max_wait)
+        deadlines[memory, load] = totals
+        sequences = f"seeds {seeds.start}-{seeds.stop - 1}, {args.requests} each"
+        deadline_rows += [deadline_row(memory, load, sequences, t) for t in totals.values()]
+        results.append({"ledger": "memory", "deadlines": True, "requests": args.requests, "seeds": list(seeds), "load": load,
+                        "max_queue": str(queues[0]), "off": totals[False], "on": totals[True]})
+    ledgers = [memory]
     if args.redis_requests:
         from tests._redis import RedisServer
 
+        ledgers.append(redis)
         server = RedisServer().start()
         try:
-            for load in (float(x) for x in args.redis_loads.split(",")):
+            for load in floats(args.redis_loads):
                 arrivals = tenant_workload(args.redis_requests, args.seed, estimator, load, budget)
-                for fair in (True, False):  # the in-process ledger on the very same requests, in virtual time
-                    present = simulate(fresh(arrivals, True), budget, fair, queues[0], args.max_wait)
-                    absent = simulate(fresh(arrivals, False), budget, fair, queues[0], args.max_wait)
-                    rows.append(row(f"Ledger (virtual time, {len(arrivals)} requests)", load, queues[0], fair, present, absent))
-                    results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": str(queues[0]),
-                                    "fair": fair, "present": present, "absent": absent})
-                more_rows, more = asyncio.run(
-                    redis_rows(server.url, arrivals, budget, load, queues[0], args.max_wait, args.time_scale)
+                if args.redis_requests != args.requests or load not in floats(args.loads):
+                    # the in-process ledger on the very same requests, in virtual time
+                    in_process(arrivals, load, queues[0], (True, False), f"Ledger (virtual time, {len(arrivals)} requests)")
+                runs = asyncio.run(redis_runs(server.url, arrivals, budget, queues[0], args.max_wait, args.time_scale))
+                fairness[redis, load] = {key: run for key, run in runs.items() if key[0]}
+                for fair in (True, False):
+                    rows.append(row(redis, load, queues[0], fair, runs[fair, True], runs[fair, False]))
+                    results.append({"ledger": "redis", "requests": len(arrivals), "load": load, "max_queue": str(queues[0]),
+                                    "fair": fair, "present": runs[fair, True], "absent": runs[fair, False]})
+            for load in floats(args.deadline_loads):
+                arrivals = clients(args.redis_requests, args.seed, estimator, load, budget, args.min_deadline,
+                                   args.max_wait)
+                sequences = f"seed {args.seed}, {len(arrivals)}"
+                side = run_deadlines([arrivals], budget, queues[0], args.max_wait)  # the very same requests
+                deadline_rows += [deadline_row(memory, load, sequences, t) for t in side.values()]
+                results.append({"ledger": "memory", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
+                                "load": load, "max_queue": str(queues[0]), "off": side[False], "on": side[True]})
+                timed = asyncio.run(
+                    redis_deadline_runs(server.url, arrivals, budget, queues[0], args.max_wait, args.time_scale)
                 )
-                rows += more_rows
-                results += more
+                totals = {aware: deadline_totals(f"deadlines-{'on' if aware else 'off'}", [run])
+                          for aware, run in timed.items()}
+                deadlines[redis, load] = totals
+                deadline_rows += [deadline_row(redis, load, sequences, t) for t in totals.values()]
+                results.append({"ledger": "redis", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
+                                "load": load, "max_queue": str(queues[0]), "off": totals[False], "on": totals[True]})
         finally:
             server.stop()
     print(f"budget {budget / (1 << 30):.2f} GiB; heavy tenant {HEAVY_FACTOR}x each of {len(LIGHTS)} light tenants")
     print(table(rows, HEADER))
-    print("report:", write_report("fairness", {"args": vars(args), "budget_bytes": budget, "results": results}))
+    if deadline_rows:
+        print(f"\nclient deadlines uniform in [{args.min_deadline:g}, {args.max_wait:g}] s, fair share on, "
+              f"max_queue {queues[0]}; several seeds: summed; goodput per second of offered time")
+        print(table(deadline_rows, DEADLINE_HEADER))
+    oom = dict.fromkeys(ledgers, 0)
+    for entry in results:  # every run of this command, the side-by-side ones under the in-process ledger
+        oom[memory if entry["ledger"] == "memory" else redis] += sum(
+            entry[run]["oom"] for run in ("present", "absent", "off", "on") if run in entry
+        )
+    checks = verdict(fairness, deadlines, oom)
+    print(f"\nverdict: issue 11's bars, fair share on, max_queue {queues[0]}, from the runs above")
+    print(table(checks, ["bar", "load", *ledgers]))
+    print("report:", write_report("fairness", {"args": vars(args), "budget_bytes": budget, "results": results,
+                                               "verdict": checks}))
 
 
 if __name__ == "__main__":
