@@ -456,6 +456,8 @@ class Ledger:
 
     def _dispatch(self) -> None:
         """Admit lane heads while one can be admitted (see the module docstring)."""
+        if not self._waiting:  # the common case, at every release: no clock read, no locals
+            return
         now = self._clock()
         accounts = self._fair.accounts
         while self._waiting:
