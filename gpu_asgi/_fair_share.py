@@ -198,10 +198,14 @@ class FairShare:
         return 0 if account is None else account.waiting
 
     def fits(self, name: str, nbytes: int) -> bool:
-        """Whether ``name`` may hold ``nbytes`` more under its quota."""
+        """Whether ``name`` may hold ``nbytes`` more now under its quota; raises :class:`OverTenantQuota`
+        when the whole quota could never hold them (``check_quota``: waiting cannot help)."""
+        policy = self.policy(name)
+        if policy.quota_bytes is None:  # the common case: one lookup, no account needed
+            return True
+        check_quota(policy, nbytes)
         account = self.accounts.get(name)
-        quota = self.policy(name).quota_bytes
-        return quota is None or (account.held if account is not None else 0) + nbytes <= quota
+        return account is None or account.fits(nbytes)  # no account holds nothing, and nbytes <= quota
 
     def hold(self, name: str, nbytes: int, reservations: int, now: float) -> None:
         """``nbytes`` more (or fewer) held by ``name``, in ``reservations`` more (or fewer) reservations."""
