@@ -213,7 +213,8 @@ class FairShare:
         account.advance(now)
         account.held += nbytes
         account.in_flight += reservations
-        self._touch(account, now)
+        if reservations:  # only a reservation's start or end can turn the tenant active or idle
+            self._touch(account, now)
 
     def queued(self, name: str, nbytes: int, now: float) -> None:
         """A waiter joins; the tenant's first one lifts its virtual time (no credit banked without waiters)."""
@@ -241,13 +242,15 @@ class FairShare:
         return others_of({a.name: (a.vt_at(now), a.waiting, a.in_flight) for a in self.active.values()}, account.name)
 
     def _touch(self, account: Account, now: float) -> None:
-        if account.idle:
-            self.active.pop(account.name, None)
-            self._idle[account.name] = now
-            self._idle.move_to_end(account.name)
-        else:
-            self.active[account.name] = account
-            self._idle.pop(account.name, None)
+        """Move ``account`` between ``active`` and the idle tenants when its counts just turned it
+        idle or active; nothing to do while it stays active."""
+        name = account.name
+        if not account.idle:
+            if name not in self.active:
+                self.active[name] = account
+                self._idle.pop(name, None)
+        elif self.active.pop(name, None) is not None:  # it just turned idle: the newest idle, last
+            self._idle[name] = now
 
     def forget_idle(self, now: float) -> None:
         """Drop the accounts idle for ``idle_ttl`` seconds: random tenant keys cannot grow memory."""

@@ -452,6 +452,25 @@ async def test_an_idle_tenant_is_forgotten_after_the_ttl(backend: Backend) -> No
         await eventually(lambda: not client.exists(key), timeout=10)
 
 
+async def test_a_tenant_is_idle_from_its_last_release_not_its_first() -> None:
+    """Idle means nothing held and nothing waiting: a tenant that still holds a reservation is
+    never forgotten, and its ttl counts from the release that left it idle."""
+    clock = Clock()
+    ledger = Ledger(100, tenant_idle_ttl=10.0, clock=clock)
+    first, second = await ledger.reserve(10, tenant="busy"), await ledger.reserve(10, tenant="busy")
+    first.release()
+    clock.advance(20)
+    (await ledger.reserve(10, tenant="other")).release()  # forgets the idle tenants
+    assert "busy" in ledger._fair.accounts and "busy" in ledger._fair.active
+    second.release()
+    clock.advance(9.5)
+    (await ledger.reserve(10, tenant="other")).release()
+    assert "busy" in ledger._fair.accounts
+    clock.advance(1)
+    (await ledger.reserve(10, tenant="other")).release()
+    assert set(ledger._fair.accounts) == {"other"}
+
+
 @_redis.requires_redis_server
 async def test_a_ticket_queued_by_an_older_version_counts_as_the_default_tenant(
     redis_server: RedisServer, namespace: str
