@@ -163,10 +163,6 @@ class Account:
         quota = self.policy.quota_bytes
         return quota is None or self.held + nbytes <= quota
 
-    @property
-    def idle(self) -> bool:
-        return not self.in_flight and not self.waiting
-
 
 class FairShare:
     """Every known tenant's :class:`Account`; an idle one is forgotten after ``idle_ttl`` seconds."""
@@ -242,10 +238,10 @@ class FairShare:
         return others_of({a.name: (a.vt_at(now), a.waiting, a.in_flight) for a in self.active.values()}, account.name)
 
     def _touch(self, account: Account, now: float) -> None:
-        """Move ``account`` between ``active`` and the idle tenants when its counts just turned it
-        idle or active; nothing to do while it stays active."""
+        """Move ``account`` between ``active`` and the idle tenants (nothing held, nothing waiting)
+        when its counts just turned it idle or active; nothing to do while it stays active."""
         name = account.name
-        if not account.idle:
+        if account.in_flight or account.waiting:
             if name not in self.active:
                 self.active[name] = account
                 self._idle.pop(name, None)
