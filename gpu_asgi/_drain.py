@@ -31,12 +31,13 @@ class DrainRate:
 
     def advance(self, now: float, busy: bool) -> None:
         """Account for the time since the last call; ``busy`` says whether bytes are reserved from now on."""
-        elapsed = now - self.last
-        if self.busy and elapsed > 0:
-            decay = math.exp(-elapsed / RATE_WINDOW)
-            self.bytes *= decay
-            self.seconds = self.seconds * decay + elapsed
-        self.last = max(self.last, now)
+        if now > self.last:  # a clock that stands still or steps back adds nothing
+            elapsed = now - self.last
+            if self.busy:
+                decay = math.exp(-elapsed / RATE_WINDOW)
+                self.bytes *= decay
+                self.seconds = self.seconds * decay + elapsed
+            self.last = now
         self.busy = busy
 
     def released(self, nbytes: int) -> None:

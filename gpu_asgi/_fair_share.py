@@ -163,10 +163,6 @@ class Account:
         quota = self.policy.quota_bytes
         return quota is None or self.held + nbytes <= quota
 
-    @property
-    def idle(self) -> bool:
-        return not self.in_flight and not self.waiting
-
 
 class FairShare:
     """Every known tenant's :class:`Account`; an idle one is forgotten after ``idle_ttl`` seconds."""
@@ -198,10 +194,14 @@ class FairShare:
         return 0 if account is None else account.waiting
 
     def fits(self, name: str, nbytes: int) -> bool:
-        """Whether ``name`` may hold ``nbytes`` more under its quota."""
+        """Whether ``name`` may hold ``nbytes`` more now under its quota; raises :class:`OverTenantQuota`
+        when the whole quota could never hold them (``check_quota``: waiting cannot help)."""
+        policy = self.policy(name)
+        if policy.quota_bytes is None:  # the common case: one lookup, no account needed
+            return True
+        check_quota(policy, nbytes)
         account = self.accounts.get(name)
-        quota = self.policy(name).quota_bytes
-        return quota is None or (account.held if account is not None else 0) + nbytes <= quota
+        return account is None or account.fits(nbytes)  # no account holds nothing, and nbytes <= quota
 
     def hold(self, name: str, nbytes: int, reservations: int, now: float) -> None:
         """``nbytes`` more (or fewer) held by ``name``, in ``reservations`` more (or fewer) reservations."""
@@ -209,7 +209,8 @@ class FairShare:
         account.advance(now)
         account.held += nbytes
         account.in_flight += reservations
-        self._touch(account, now)
+        if reservations:  # only a reservation's start or end can turn the tenant active or idle
+            self._touch(account, now)
 
     def queued(self, name: str, nbytes: int, now: float) -> None:
         """A waiter joins; the tenant's first one lifts its virtual time (no credit banked without waiters)."""
@@ -237,13 +238,15 @@ class FairShare:
         return others_of({a.name: (a.vt_at(now), a.waiting, a.in_flight) for a in self.active.values()}, account.name)
 
     def _touch(self, account: Account, now: float) -> None:
-        if account.idle:
-            self.active.pop(account.name, None)
-            self._idle[account.name] = now
-            self._idle.move_to_end(account.name)
-        else:
-            self.active[account.name] = account
-            self._idle.pop(account.name, None)
+        """Move ``account`` between ``active`` and the idle tenants (nothing held, nothing waiting)
+        when its counts just turned it idle or active; nothing to do while it stays active."""
+        name = account.name
+        if account.in_flight or account.waiting:
+            if name not in self.active:
+                self.active[name] = account
+                self._idle.pop(name, None)
+        elif self.active.pop(name, None) is not None:  # it just turned idle: the newest idle, last
+            self._idle[name] = now
 
     def forget_idle(self, now: float) -> None:
         """Drop the accounts idle for ``idle_ttl`` seconds: random tenant keys cannot grow memory."""

@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 from ._drain import DrainRate, retry_after
 from ._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare, check_quota, lanes_ahead
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare, lanes_ahead
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
 DEFAULT_DEVICE = "cuda:0"
@@ -323,8 +323,8 @@ class Ledger:
     ) -> Reservation | None:
         """Reserve at once if nobody is queued and the bytes fit, within the tenant's quota; never waits or queues."""
         allowed = self._allowed(devices, nbytes)
-        self._within_quota(tenant, nbytes)
-        if self._waiting or not self._fair.fits(tenant, nbytes):
+        fits = self._fits_quota(tenant, nbytes)
+        if self._waiting or not fits:
             return None
         self._bind()
         device = _place(nbytes, allowed)
@@ -349,11 +349,11 @@ class Ledger:
         """
         check_priority(priority)
         allowed = self._allowed(devices, nbytes)
-        self._within_quota(tenant, nbytes)
+        fits = self._fits_quota(tenant, nbytes)  # forget_idle below forgets no bytes held: still true
         self._bind()
         now = self._clock()
         self._fair.forget_idle(now)
-        if not self._waiting and self._fair.fits(tenant, nbytes):
+        if not self._waiting and fits:
             device = _place(nbytes, allowed)
             if device is not None:
                 return self._grant(device, nbytes, 0.0, tenant, now)
@@ -438,9 +438,10 @@ class Ledger:
             )
         return allowed
 
-    def _within_quota(self, tenant: str, nbytes: int) -> None:
+    def _fits_quota(self, tenant: str, nbytes: int) -> bool:
+        """Whether ``tenant`` may hold ``nbytes`` more now; :class:`OverTenantQuota` (counted) if never."""
         try:
-            check_quota(self._fair.policy(tenant), nbytes)
+            return self._fair.fits(tenant, nbytes)
         except OverTenantQuota:
             self._count_rejection(OverTenantQuota.reason)
             raise
@@ -456,6 +457,8 @@ class Ledger:
 
     def _dispatch(self) -> None:
         """Admit lane heads while one can be admitted (see the module docstring)."""
+        if not self._waiting:  # the common case, at every release: no clock read, no locals
+            return
         now = self._clock()
         accounts = self._fair.accounts
         while self._waiting:

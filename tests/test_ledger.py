@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
 from gpu_asgi import Ledger, NeverFits, QueueFull, QueueTimeout, Reservation
+from gpu_asgi._drain import RATE_WINDOW, DrainRate
 
 from ._asgi import settle
 
@@ -189,6 +191,24 @@ async def test_retry_after_follows_the_observed_release_rate() -> None:
     assert ledger.release_rate() == pytest.approx(100.0, rel=0.15)
     assert ledger.retry_after(500) == pytest.approx(5.0, rel=0.15)  # 500 bytes behind a full device
     holder.release()
+
+
+def test_the_release_rate_counts_only_busy_time_that_moves_forward() -> None:
+    """A clock that stands still or steps back adds no busy time and decays nothing; the time
+    after it counts from the latest reading."""
+    rate = DrainRate(100.0)
+    rate.advance(100.0, busy=True)
+    rate.advance(101.5, busy=True)
+    assert (rate.seconds, rate.last) == (1.5, 101.5)
+    rate.released(30)
+    for now in (101.5, 90.0):
+        rate.advance(now, busy=True)
+        assert (rate.bytes, rate.seconds, rate.last) == (30.0, 1.5, 101.5)
+    rate.advance(102.5, busy=False)
+    decay = math.exp(-1.0 / RATE_WINDOW)
+    assert (rate.bytes, rate.seconds, rate.last, rate.busy) == (30.0 * decay, 1.5 * decay + 1.0, 102.5, False)
+    rate.advance(200.0, busy=True)  # idle: neither decayed nor counted
+    assert (rate.bytes, rate.seconds, rate.last) == (30.0 * decay, 1.5 * decay + 1.0, 200.0)
 
 
 async def test_idle_time_does_not_drag_the_release_rate_down() -> None:
