@@ -25,6 +25,9 @@ Deadlines (fair share on, the first max_queue): each client gives up after its o
 uniform in [``--min-deadline``, ``--max-wait``] s (bench_overload's ``with_deadlines``). Off: every
 request queues until then. On: the middleware's decision (bench_overload's ``deadline_admission``,
 i.e. ``queue_timeout`` with the tenant): refused at once when the predicted wait is longer.
+Goodput: requests (and tokens) served per offered second, both of all served and of those
+finished by the last arrival; the verdict judges the latter, since a run that ends with a longer
+queue goes on serving it after the arrivals stop.
 
 Ledgers: the in-process ``Ledger`` in virtual time (deterministic; the deadline runs summed over
 ``--deadline-seeds`` arrival sequences), and the ``RedisLedger`` (a private redis-server) in real
