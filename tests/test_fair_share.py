@@ -22,7 +22,7 @@ from gpu_asgi._ledger import predicted_wait
 
 from . import _redis
 from ._asgi import settle
-from ._redis import REDIS_SERVER, RedisServer, eventually
+from ._redis import REDIS_SERVER, RedisServer, eventually, requires_redis_server
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
 
@@ -86,9 +86,9 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
 
     server: RedisServer = request.getfixturevalue("redis_server")
     name: str = request.getfixturevalue("namespace")
-    made: list[RedisLedger] = []
+    made: list[BudgetLedger] = []
 
-    def make(capacity: Any, **options: Any) -> RedisLedger:
+    def make(capacity: Any, **options: Any) -> BudgetLedger:
         # A long lease: the injected clock jumps, and leases must not expire in its time.
         options = {"lease_ttl": 3600.0, **options}
         ledger = RedisLedger(server.url, capacity, namespace=name, clock=backend.clock, **options)
@@ -385,11 +385,9 @@ async def test_retry_after_counts_only_the_waiters_ordered_before_the_tenant(bac
     holder.release()
 
 
-async def test_a_backlogged_tenants_retry_after_follows_its_own_admission_rate(backend: Backend) -> None:
-    """Tenant b (weight 3) keeps passing a's backlog: a is admitted once for each three of b's, so
-    a's queue moves at a quarter of the ledger's release rate. A request of a is predicted from
-    a's own admission rate, and its real wait matches the prediction (the bytes ahead now at the
-    whole ledger's rate said about a third of it, since b's later arrivals pass it)."""
+async def a_passed_by_b(backend: Backend) -> tuple[float, float]:
+    """Tenant b (weight 3) keeps passing a's backlog, one request of 100 bytes held for a second at
+    a time, for 40 s; then a request of a arrives. Its predicted wait, and the wait it had."""
     clock = backend.clock
     ledger = backend.make(100, tenants={"a": TenantPolicy(weight=1), "b": TenantPolicy(weight=3)})
     current = await ledger.reserve(100, tenant="a")
@@ -406,7 +404,7 @@ async def test_a_backlogged_tenants_retry_after_follows_its_own_admission_rate(b
         tenant, current = await next_admitted(pending)
         if tenant != "probe":
             pending[start(ledger, 100, tenant=tenant)] = tenant
-        await backend.queued(ledger, sum(t != "probe" for t in pending.values()) + ("probe" in pending.values()))
+        await backend.queued(ledger, len(pending))
         return tenant
 
     admitted = [await one_second() for _ in range(40)]
@@ -419,13 +417,51 @@ async def test_a_backlogged_tenants_retry_after_follows_its_own_admission_rate(b
     while await one_second() != "probe":
         pass
     waited = clock.now - arrival
-    assert 12 <= waited <= 20  # a's three waiters ahead of it, then itself, about every fourth second
-    assert 0.8 <= waited / predicted <= 1.25, (waited, predicted)
     clock.advance(1)
     current.release()
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+    return predicted, waited
+
+
+async def test_a_backlogged_tenants_retry_after_follows_its_own_admission_rate(backend: Backend) -> None:
+    """a is admitted once for each three of b's, so its queue moves at a quarter of the ledger's
+    release rate. A request of a is predicted from a's own admission rate, and its real wait
+    matches the prediction (the bytes ahead now at the whole ledger's rate said about a quarter of
+    it, since b's later arrivals pass it)."""
+    predicted, waited = await a_passed_by_b(backend)
+    assert 12 <= waited <= 20  # a's three waiters ahead of it, then itself, about every fourth second
+    assert 0.8 <= waited / predicted <= 1.25, (waited, predicted)
+
+
+@requires_redis_server
+async def test_both_ledgers_keep_the_same_admission_rate(redis_server: RedisServer, namespace: str) -> None:
+    """The Lua scripts keep a tenant's admission rate with the in-process arithmetic: the same
+    events give the same prediction, to the bit."""
+    from gpu_asgi.redis_ledger import RedisLedger
+
+    memory: Backend = Backend(
+        "memory",
+        lambda capacity, **options: Ledger(capacity, clock=memory.clock, **options),
+        settle,
+        lambda ledger: ledger.statistics().waiting,
+    )
+    made: list[BudgetLedger] = []
+
+    def make(capacity: Any, **options: Any) -> BudgetLedger:
+        options = {"lease_ttl": 3600.0, **options}
+        made.append(RedisLedger(redis_server.url, capacity, namespace=namespace, clock=shared.clock, **options))
+        return made[-1]
+
+    shared = Backend(
+        "redis", make, lambda: asyncio.sleep(0.25), lambda _: int(redis_server.ledger_state(namespace)["tickets"])
+    )
+    try:
+        assert await a_passed_by_b(shared) == await a_passed_by_b(memory)
+    finally:
+        for ledger in made:
+            await ledger.aclose()  # type: ignore[attr-defined]
 
 
 def test_a_tenants_own_rate_is_used_only_while_another_tenant_holds_or_waits() -> None:
