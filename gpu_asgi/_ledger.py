@@ -425,7 +425,7 @@ class Ledger:
                 self._count_rejection(QueueTimeout.reason)
                 raise QueueTimeout(
                     f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
-                    retry_after=self.retry_after(nbytes, priority=priority),
+                    retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant),
                 ) from None
             raise
 

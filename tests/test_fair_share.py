@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, Reservation, TenantPolicy
+from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, QueueTimeout, Reservation, TenantPolicy
 from gpu_asgi._drain import DrainRate
 from gpu_asgi._fair_share import NO_LEAD, Lead, Standing, arrival_vt, lift, measure
 from gpu_asgi._ledger import predicted_wait
@@ -379,6 +379,30 @@ async def test_retry_after_counts_only_the_waiters_ordered_before_the_tenant(bac
 
     assert ledger.retry_after(20, tenant="light") == pytest.approx(hint(20))
     assert ledger.retry_after(20, tenant="heavy") == pytest.approx(hint(4 * 20 + 20))
+    for task in heavy:
+        task.cancel()
+    await asyncio.gather(*heavy, return_exceptions=True)
+    holder.release()
+
+
+async def test_a_queue_timeouts_retry_after_is_its_tenants(backend: Backend) -> None:
+    """A heavy request that times out behind the heavy backlog is told the heavy tenant's wait
+    (its four waiters ahead), not the wait of a request of no tenant (which would be first)."""
+    ledger = backend.make(100)
+    for _ in range(5):  # a drain rate: 10 bytes per busy second
+        reservation = await ledger.reserve(100, tenant="heavy")
+        backend.clock.advance(10)
+        reservation.release()
+    holder = await ledger.reserve(100, tenant="heavy")
+    heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
+    await backend.queued(ledger, 4)
+    backend.clock.advance(2)
+    await statistics(ledger)
+    expected = ledger.retry_after(20, tenant="heavy")
+    assert expected > ledger.retry_after(20)  # the default tenant is ordered first
+    with pytest.raises(QueueTimeout) as timeout:
+        await ledger.reserve(20, tenant="heavy", timeout=0.1)
+    assert timeout.value.retry_after == pytest.approx(expected)
     for task in heavy:
         task.cancel()
     await asyncio.gather(*heavy, return_exceptions=True)
