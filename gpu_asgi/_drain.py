@@ -43,6 +43,20 @@ class DrainRate:
     def released(self, nbytes: int) -> None:
         self.bytes += nbytes
 
+    def rate_at(self, now: float) -> float:
+        """The rate as if advanced to ``now``; 0 until ``MIN_BUSY_SPAN`` busy seconds are seen.
+
+        A tenant's admission rate is read this way: time it has waited since its last admission
+        counts, and a rate from a moment of backlog is not trusted.
+        """
+        nbytes, seconds = self.bytes, self.seconds
+        elapsed = now - self.last
+        if self.busy and elapsed > 0:
+            decay = math.exp(-elapsed / RATE_WINDOW)
+            nbytes = nbytes * decay
+            seconds = seconds * decay + elapsed
+        return nbytes / seconds if nbytes > 0 and seconds >= MIN_BUSY_SPAN else 0.0
+
     @property
     def rate(self) -> float:
         """Bytes per busy second; 0 until a release has been seen."""

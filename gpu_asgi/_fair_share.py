@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from ._drain import DrainRate
 from ._errors import OverTenantQuota
 from ._tenancy import TenantPolicy, TenantStatistics
 
@@ -56,6 +57,8 @@ class Standing:
     waiting: int
     in_flight: int
     lead: Lead = NO_LEAD
+    #: Bytes admitted per second while it had a waiter (``Account.admissions``); 0 while unknown.
+    rate: float = 0.0
 
 
 def measure(others: Mapping[str, float], vt: float) -> Lead:
@@ -127,7 +130,9 @@ def lanes_ahead(
 class Account:
     """One tenant's share of a ledger."""
 
-    __slots__ = ("held", "in_flight", "last", "lead", "name", "policy", "served", "vt", "waiting", "waiting_bytes")
+    __slots__ = (
+        "admissions", "held", "in_flight", "last", "lead", "name", "policy", "served", "vt", "waiting", "waiting_bytes",
+    )  # fmt: skip
 
     def __init__(self, name: str, policy: TenantPolicy, now: float) -> None:
         self.name = name
@@ -143,6 +148,9 @@ class Account:
         self.last = now
         #: How far its ``vt`` was below the others' when its last waiter left.
         self.lead = NO_LEAD
+        #: Bytes of its waiters admitted per second of time it had a waiter: how fast its own
+        #: queue moves, net of what tenants ordered before it take (``Retry-After``).
+        self.admissions = DrainRate(now)
 
     def vt_at(self, now: float) -> float:
         """The virtual time at ``now``, without bringing it up to date (so the stored value only
@@ -215,6 +223,7 @@ class FairShare:
     def queued(self, name: str, nbytes: int, now: float) -> None:
         """A waiter joins; the tenant's first one lifts its virtual time (no credit banked without waiters)."""
         account = self.account(name, now)
+        account.admissions.advance(now, busy=True)
         if not account.waiting:
             account.advance(now)
             target = lift(self._others(account, now), account.lead)
@@ -224,11 +233,14 @@ class FairShare:
         account.waiting_bytes += nbytes
         self._touch(account, now)
 
-    def left(self, name: str, nbytes: int, now: float) -> None:
+    def left(self, name: str, nbytes: int, now: float, *, admitted: bool = False) -> None:
         """A waiter left the queue (admitted, timed out or cancelled); the last one records the lead."""
         account = self.account(name, now)
         account.waiting -= 1
         account.waiting_bytes -= nbytes
+        account.admissions.advance(now, busy=account.waiting > 0)
+        if admitted:
+            account.admissions.released(nbytes)
         if not account.waiting:
             account.lead = measure(self._others(account, now), account.vt_at(now))
         self._touch(account, now)
@@ -264,7 +276,8 @@ class FairShare:
         if tenant in self.accounts:
             accounts[tenant] = self.accounts[tenant]
         return {
-            name: Standing(a.vt_at(now), a.waiting, a.in_flight, a.lead) for name, a in accounts.items()
+            name: Standing(a.vt_at(now), a.waiting, a.in_flight, a.lead, a.admissions.rate_at(now))
+            for name, a in accounts.items()
         }
 
     def statistics(self, now: float) -> tuple[TenantStatistics, ...]:

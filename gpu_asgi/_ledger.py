@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 from ._drain import DrainRate, retry_after
 from ._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare, lanes_ahead
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare, Standing, lanes_ahead
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
 DEFAULT_DEVICE = "cuda:0"
@@ -200,6 +200,37 @@ def bytes_ahead(lanes: Iterable[tuple[int, int, int, int]], nbytes: int, priorit
             break
         admissions = total
     return ahead_bytes + sum(n * mean for n, (_, mean) in zip(first, larger, strict=True))
+
+
+def predicted_wait(
+    lanes: Sequence[tuple[int, int, str, int, int]],
+    tenant: str,
+    nbytes: int,
+    priority: int,
+    standings: Mapping[str, Standing],
+    free: int,
+    release_rate: float,
+    max_bypass: int,
+    max_wait: float,
+) -> float:
+    """``Retry-After`` for a request of ``tenant`` arriving now, the same in both ledgers.
+
+    ``lanes`` are (priority, size class, tenant, waiters, bytes). While another tenant holds or
+    waits and ``tenant`` has an admission rate (``Standing.rate``), its queue moves at that rate:
+    ``(its own bytes ahead + nbytes - free) / its rate``. That rate already nets out what tenants
+    ordered before it take, later arrivals with a lower virtual time included, which counting the
+    bytes ahead now cannot. Otherwise (one tenant, or no rate yet): ``(bytes ahead by
+    lanes_ahead + nbytes - free) / the ledger's release rate``.
+    """
+    own = standings.get(tenant)
+    shared = any(name != tenant and (s.waiting or s.in_flight) for name, s in standings.items())
+    if own is not None and own.rate > 0 and shared:
+        mine = [(p, c, waiters, nb) for p, c, owner, waiters, nb in lanes if owner == tenant]
+        ahead, rate = bytes_ahead(mine, nbytes, priority, max_bypass), own.rate
+    else:
+        ahead = bytes_ahead(lanes_ahead(lanes, tenant, priority, standings), nbytes, priority, max_bypass)
+        rate = release_rate
+    return retry_after(max(0, round(ahead) + nbytes - free), rate, max_wait)
 
 
 def size_class(nbytes: int) -> int:
@@ -394,7 +425,7 @@ class Ledger:
                 self._count_rejection(QueueTimeout.reason)
                 raise QueueTimeout(
                     f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
-                    retry_after=self.retry_after(nbytes, priority=priority),
+                    retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant),
                 ) from None
             raise
 
@@ -478,7 +509,7 @@ class Ledger:
             for other in heads:  # the admitted one passes the heads ahead of it that could use its device
                 if (vt[other.tenant], other.seq) < mine and device in other.devices:
                     other.passed += 1
-            self._dequeue(waiter)
+            self._dequeue(waiter, admitted=True)
             waiter.future.set_result(self._grant(device, waiter.nbytes, now - waiter.since, waiter.tenant, now))
 
     def _heads(self) -> list[_Waiter]:
@@ -493,7 +524,7 @@ class Ledger:
                 self._dequeue(waiter)  # cancelled, its task has not run its cleanup yet
         return heads
 
-    def _dequeue(self, waiter: _Waiter) -> None:
+    def _dequeue(self, waiter: _Waiter, *, admitted: bool = False) -> None:
         lane = self._lanes.get(waiter.lane)
         if lane is None or lane.pop(waiter.seq, None) is None:
             return
@@ -504,7 +535,7 @@ class Ledger:
             self._lane_bytes[waiter.lane] -= waiter.nbytes
         self._waiting -= 1
         self._waiting_bytes -= waiter.nbytes
-        self._fair.left(waiter.tenant, waiter.nbytes, self._clock())
+        self._fair.left(waiter.tenant, waiter.nbytes, self._clock(), admitted=admitted)
 
     def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
         loop = self._loop
@@ -542,14 +573,16 @@ class Ledger:
         are the waiters ordered before it (its tenant's at its priority or higher, and those of
         tenants whose virtual time is below its own: ``lanes_ahead``) that are likely to be
         admitted first (``bytes_ahead``: its size class or smaller, and the larger heads the
-        bounded bypass lets claim). With no release observed yet, ``max_wait``, within the same
-        range.
+        bounded bypass lets claim). While other tenants hold or wait, its own tenant's bytes
+        ahead at its tenant's admission rate instead (``predicted_wait``). With no release
+        observed yet, ``max_wait``, within the same range.
         """
         lanes = [(key[0], key[1], key[3], len(self._lanes[key]), n) for key, n in self._lane_bytes.items()]
         standings = self._fair.standings(self._clock(), tenant)
-        ahead = bytes_ahead(lanes_ahead(lanes, tenant, priority, standings), nbytes, priority, self.max_bypass)
         free = sum(device.free for device in self._all)
-        return retry_after(max(0, round(ahead) + nbytes - free), self.release_rate(), self.max_wait)
+        return predicted_wait(
+            lanes, tenant, nbytes, priority, standings, free, self.release_rate(), self.max_bypass, self.max_wait
+        )
 
     def statistics(self) -> LedgerStatistics:
         return LedgerStatistics(

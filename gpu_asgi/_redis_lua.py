@@ -18,7 +18,8 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
 - ``tenants``  set of the tenants that hold or wait; each has a hash ``tenants:<name>``: ``held``,
   ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt``, ``served``, ``credit`` and
   ``hcredit`` (floats written with ``%.17g``, so they read back exactly), ``last`` (ms), ``low`` and
-  ``high`` (the tenants ``credit`` and ``hcredit`` were measured against). An idle tenant's hash expires after the
+  ``high`` (the tenants ``credit`` and ``hcredit`` were measured against), and its admission rate's
+  decayed ``abytes`` and ``asecs`` (seconds with a waiter) up to ``alast`` (ms). An idle tenant's hash expires after the
   ledger's ``tenant_idle_ttl`` (``PEXPIRE`` when it becomes idle, ``PERSIST`` when it is used again)
 - ``holder``   hash, lease id → tenant
 
@@ -115,12 +116,13 @@ end
 -- Tenants' accounts: the same fields and arithmetic as gpu_asgi/_fair_share.py.
 local function account(t)
   local r = redis.call('HMGET', K_TEN .. ':' .. t, 'held', 'inflight', 'waiting', 'wbytes', 'vt', 'served', 'last',
-    'credit', 'low', 'hcredit', 'high')
+    'credit', 'low', 'hcredit', 'high', 'abytes', 'asecs', 'alast')
   local policy = cfg.tenants[t] or cfg.default
   return {name = t, weight = policy[1], quota = policy[2], held = tonumber(r[1] or '0'),
     inflight = tonumber(r[2] or '0'), waiting = tonumber(r[3] or '0'), wbytes = tonumber(r[4] or '0'),
     vt = tonumber(r[5] or '0'), served = tonumber(r[6] or '0'), last = tonumber(r[7] or now),
-    credit = tonumber(r[8] or '0'), low = r[9] or '', hcredit = tonumber(r[10] or '0'), high = r[11] or ''}
+    credit = tonumber(r[8] or '0'), low = r[9] or '', hcredit = tonumber(r[10] or '0'), high = r[11] or '',
+    abytes = tonumber(r[12] or '0'), asecs = tonumber(r[13] or '0'), alast = tonumber(r[14] or now)}
 end
 
 local function save(a)
@@ -128,7 +130,8 @@ local function save(a)
   redis.call('HSET', key, 'held', int(a.held), 'inflight', int(a.inflight), 'waiting', int(a.waiting),
     'wbytes', int(a.wbytes), 'vt', string.format('%.17g', a.vt), 'served', string.format('%.17g', a.served),
     'last', int(a.last), 'credit', string.format('%.17g', a.credit), 'low', a.low,
-    'hcredit', string.format('%.17g', a.hcredit), 'high', a.high)
+    'hcredit', string.format('%.17g', a.hcredit), 'high', a.high, 'abytes', string.format('%.17g', a.abytes),
+    'asecs', string.format('%.17g', a.asecs), 'alast', int(a.alast))
   if a.inflight > 0 or a.waiting > 0 then
     redis.call('PERSIST', key)
     redis.call('SADD', K_TEN, a.name)
@@ -151,6 +154,31 @@ local function advance(a)
     a.served = a.served + a.held * elapsed
     a.last = now
   end
+end
+
+-- The tenant's admission rate (_fair_share.Account.admissions, a _drain.DrainRate): bytes of its
+-- waiters admitted, decayed by the seconds it had a waiter, and those seconds. Called before every
+-- change of 'waiting', so waiting > 0 says whether it had one since 'alast'.
+local function admissions_advance(a)
+  if a.waiting > 0 and now > a.alast then
+    local elapsed = (now - a.alast) / 1000
+    local decay = math.exp(-elapsed / cfg.window)
+    a.abytes = a.abytes * decay
+    a.asecs = a.asecs * decay + elapsed
+  end
+  if now > a.alast then a.alast = now end
+end
+
+-- That rate as if advanced to now (DrainRate.rate_at): 0 until cfg.span seconds with a waiter.
+local function admission_rate(a)
+  local b, secs = a.abytes, a.asecs
+  if a.waiting > 0 and now > a.alast then
+    local elapsed = (now - a.alast) / 1000
+    local decay = math.exp(-elapsed / cfg.window)
+    b, secs = b * decay, secs * decay + elapsed
+  end
+  if b > 0 and secs >= cfg.span then return b / secs end
+  return 0
 end
 
 local function tenant_holds(t, n, leases)
@@ -195,6 +223,7 @@ end
 -- lowest; when neither is, its credit against the lowest now.
 local function tenant_queued(t, n)
   local a = account(t)
+  admissions_advance(a)
   if a.waiting == 0 then
     advance(a)
     local others, low = others_of(t)
@@ -216,9 +245,11 @@ local function tenant_queued(t, n)
 end
 
 -- A waiter left (admitted, timed out, cancelled); the tenant's last one records its lead over the
--- lowest and the highest of the others (_fair_share.measure).
-local function tenant_left(t, n)
+-- lowest and the highest of the others (_fair_share.measure). An admitted one counts in its rate.
+local function tenant_left(t, n, admitted)
   local a = account(t)
+  admissions_advance(a)
+  if admitted then a.abytes = a.abytes + n end
   a.waiting, a.wbytes = math.max(0, a.waiting - 1), math.max(0, a.wbytes - n)
   if a.waiting == 0 then
     local others, low, high = others_of(t)
@@ -279,7 +310,7 @@ end
 
 local function lane_key(lane) return K_QUEUE .. ':' .. lane end
 
-local function drop_ticket(id)
+local function drop_ticket(id, admitted)
   local raw = redis.call('HGET', K_TICKET, id)
   if not raw then return false end
   local w = cjson.decode(raw)
@@ -292,7 +323,7 @@ local function drop_ticket(id)
   else
     redis.call('HINCRBY', K_COUNT, 'bytes:' .. w.l, int(-tonumber(w.n)))
   end
-  tenant_left(w.t or cfg.unnamed, tonumber(w.n))  -- a ticket of an older version names no tenant
+  tenant_left(w.t or cfg.unnamed, tonumber(w.n), admitted)  -- a ticket of an older version names no tenant
   return true
 end
 
@@ -388,7 +419,7 @@ local function dispatch()
           cjson.encode({n = h.n, d = h.d, p = h.p, s = h.s, l = h.l, b = h.b, t = h.t}))
       end
     end
-    drop_ticket(chosen.id)
+    drop_ticket(chosen.id, true)
     grant(chosen.id, chosen.bytes, dev, chosen.t)
     granted[chosen.id], count = dev, count + 1
   end
@@ -521,7 +552,8 @@ end
 
 # ARG: ids to renew. Returns the ids Redis no longer knows, the shared snapshot and the boot id.
 # The tenants part: one row per tenant that holds or waits and per configured one: name, held,
-# leases, waiting, bytes waiting, byte-seconds served up to now.
+# leases, waiting, bytes waiting, byte-seconds served up to now, virtual time, its lead (credit,
+# low, hcredit, high) and its admission rate now (0 while unknown).
 HEARTBEAT = """
 local function main()
   reap()
@@ -544,7 +576,7 @@ local function main()
     if now > a.last then served = served + a.held * ((now - a.last) / 1000) end
     tenants[#tenants + 1] = {t, int(a.held), int(a.inflight), int(a.waiting), int(a.wbytes),
       string.format('%.17g', served), string.format('%.17g', vt_at(a)), string.format('%.17g', a.credit), a.low,
-      string.format('%.17g', a.hcredit), a.high}
+      string.format('%.17g', a.hcredit), a.high, string.format('%.17g', admission_rate(a))}
   end
   for _, t in ipairs(redis.call('SMEMBERS', K_TEN)) do row(t) end
   for t, _ in pairs(cfg.tenants) do row(t) end

@@ -13,9 +13,9 @@ from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redis_lua as lua
-from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, retry_after
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing, lanes_ahead
-from ._ledger import DeviceStatistics, LedgerStatistics, bytes_ahead
+from ._drain import MIN_BUSY_SPAN, RATE_WINDOW
+from ._fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing
+from ._ledger import DeviceStatistics, LedgerStatistics, predicted_wait
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
 _KEYS = (
@@ -105,8 +105,9 @@ class Beat:
                 p, c, _, owner = lane.split(":", 3)  # "<priority>:<class>:<devices>:<tenant>"
                 lanes.append((int(p), int(c), owner, self.counts.get("n:" + lane, 1), n))
         free = sum(capacity - self.reserved.get(name, 0) for name, capacity in capacities.items())
-        ahead = bytes_ahead(lanes_ahead(lanes, tenant, priority, self.standings), nbytes, priority, max_bypass)
-        return retry_after(max(0, round(ahead) + nbytes - free), self.release_rate, max_wait)
+        return predicted_wait(
+            lanes, tenant, nbytes, priority, self.standings, free, self.release_rate, max_bypass, max_wait
+        )
 
 
 class LedgerScripts:
@@ -140,7 +141,8 @@ class LedgerScripts:
         #: The dataset this process last saw (see _redis_lua: data loss); '' until the first heartbeat.
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
-        config |= {"chan": self.channel, "window": RATE_WINDOW, "warm": round(1.5 * heartbeat * 1000)}
+        config |= {"chan": self.channel, "window": RATE_WINDOW, "span": MIN_BUSY_SPAN}
+        config |= {"warm": round(1.5 * heartbeat * 1000)}
         # Weights go as JSON numbers (repr: exact); a quota of 0 and a max_queue of -1 mean none.
         config |= {
             "tenants": {name: _policy(p) for name, p in (tenants or {}).items()},
@@ -218,9 +220,13 @@ class LedgerScripts:
             },
             standings={
                 text(name): Standing(
-                    float(vt), int(queued), int(leases), Lead(float(credit), text(low), float(high_credit), text(high))
+                    float(vt),
+                    int(queued),
+                    int(leases),
+                    Lead(float(credit), text(low), float(high_credit), text(high)),
+                    float(rate),
                 )
-                for name, _, leases, queued, _, _, vt, credit, low, high_credit, high in tenants
+                for name, _, leases, queued, _, _, vt, credit, low, high_credit, high, rate in tenants
             },
         )
 

@@ -273,7 +273,7 @@ class RedisLedger:
             reason = QueueTimeout.reason
             raise QueueTimeout(
                 f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
-                retry_after=self.retry_after(nbytes, priority=priority),
+                retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant),
             ) from None
         except RedisDown as exc:
             upkeep.went_down(exc)

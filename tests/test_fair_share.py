@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 
-from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, Reservation, TenantPolicy
+from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, QueueTimeout, Reservation, TenantPolicy
+from gpu_asgi._drain import DrainRate
 from gpu_asgi._fair_share import NO_LEAD, Lead, Standing, arrival_vt, lift, measure
+from gpu_asgi._ledger import predicted_wait
 
 from . import _redis
 from ._asgi import settle
-from ._redis import REDIS_SERVER, RedisServer, eventually
+from ._redis import REDIS_SERVER, RedisServer, eventually, requires_redis_server
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
 
@@ -84,9 +86,9 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
 
     server: RedisServer = request.getfixturevalue("redis_server")
     name: str = request.getfixturevalue("namespace")
-    made: list[RedisLedger] = []
+    made: list[BudgetLedger] = []
 
-    def make(capacity: Any, **options: Any) -> RedisLedger:
+    def make(capacity: Any, **options: Any) -> BudgetLedger:
         # A long lease: the injected clock jumps, and leases must not expire in its time.
         options = {"lease_ttl": 3600.0, **options}
         ledger = RedisLedger(server.url, capacity, namespace=name, clock=backend.clock, **options)
@@ -384,6 +386,142 @@ async def test_retry_after_counts_only_the_waiters_ordered_before_the_tenant(bac
         task.cancel()
     await asyncio.gather(*heavy, return_exceptions=True)
     holder.release()
+
+
+async def test_a_queue_timeouts_retry_after_is_its_tenants(backend: Backend) -> None:
+    """A heavy request that times out behind the heavy backlog is told the heavy tenant's wait
+    (its four waiters ahead), not the wait of a request of no tenant (which would be first)."""
+    ledger = backend.make(100)
+    for _ in range(5):  # a drain rate: 10 bytes per busy second
+        reservation = await ledger.reserve(100, tenant="heavy")
+        backend.clock.advance(10)
+        reservation.release()
+    holder = await ledger.reserve(100, tenant="heavy")
+    heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
+    await backend.queued(ledger, 4)
+    backend.clock.advance(2)
+    await statistics(ledger)
+    expected = ledger.retry_after(20, tenant="heavy")
+    assert expected > ledger.retry_after(20)  # the default tenant is ordered first
+    with pytest.raises(QueueTimeout) as timeout:
+        await ledger.reserve(20, tenant="heavy", timeout=0.1)
+    assert timeout.value.retry_after == pytest.approx(expected)
+    for task in heavy:
+        task.cancel()
+    await asyncio.gather(*heavy, return_exceptions=True)
+    holder.release()
+
+
+async def a_passed_by_b(backend: Backend) -> tuple[float, float]:
+    """Tenant b (weight 3) keeps passing a's backlog, one request of 100 bytes held for a second at
+    a time, for 40 s; then a request of a arrives. Its predicted wait, and the wait it had."""
+    clock = backend.clock
+    ledger = backend.make(100, tenants={"a": TenantPolicy(weight=1), "b": TenantPolicy(weight=3)})
+    current = await ledger.reserve(100, tenant="a")
+    pending: dict[asyncio.Task[Reservation], str] = {}
+    for tenant in "ababab":
+        pending[start(ledger, 100, tenant=tenant)] = tenant
+        await backend.queued(ledger, len(pending))
+
+    async def one_second() -> str:
+        """Hold for a second, release; the next one admitted is queued again (both stay backlogged)."""
+        nonlocal current
+        clock.advance(1)
+        current.release()
+        tenant, current = await next_admitted(pending)
+        if tenant != "probe":
+            pending[start(ledger, 100, tenant=tenant)] = tenant
+        await backend.queued(ledger, len(pending))
+        return tenant
+
+    admitted = [await one_second() for _ in range(40)]
+    assert 4 <= admitted[-20:].count("a") <= 6  # about a quarter of the admissions
+    await statistics(ledger)  # the Redis ledger predicts from its last snapshot
+    predicted = ledger.retry_after(100, tenant="a")
+    pending[start(ledger, 100, tenant="a")] = "probe"
+    await backend.queued(ledger, 7)
+    arrival = clock.now
+    while await one_second() != "probe":
+        pass
+    waited = clock.now - arrival
+    clock.advance(1)
+    current.release()
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return predicted, waited
+
+
+async def test_a_backlogged_tenants_retry_after_follows_its_own_admission_rate(backend: Backend) -> None:
+    """a is admitted once for each three of b's, so its queue moves at a quarter of the ledger's
+    release rate. A request of a is predicted from a's own admission rate, and its real wait
+    matches the prediction (the bytes ahead now at the whole ledger's rate said about a quarter of
+    it, since b's later arrivals pass it)."""
+    predicted, waited = await a_passed_by_b(backend)
+    assert 12 <= waited <= 20  # a's three waiters ahead of it, then itself, about every fourth second
+    assert 0.8 <= waited / predicted <= 1.25, (waited, predicted)
+
+
+@requires_redis_server
+async def test_both_ledgers_keep_the_same_admission_rate(redis_server: RedisServer, namespace: str) -> None:
+    """The Lua scripts keep a tenant's admission rate with the in-process arithmetic: the same
+    events give the same prediction, to the bit."""
+    from gpu_asgi.redis_ledger import RedisLedger
+
+    memory: Backend = Backend(
+        "memory",
+        lambda capacity, **options: Ledger(capacity, clock=memory.clock, **options),
+        settle,
+        lambda ledger: ledger.statistics().waiting,
+    )
+    made: list[BudgetLedger] = []
+
+    def make(capacity: Any, **options: Any) -> BudgetLedger:
+        options = {"lease_ttl": 3600.0, **options}
+        made.append(RedisLedger(redis_server.url, capacity, namespace=namespace, clock=shared.clock, **options))
+        return made[-1]
+
+    shared = Backend(
+        "redis", make, lambda: asyncio.sleep(0.25), lambda _: int(redis_server.ledger_state(namespace)["tickets"])
+    )
+    try:
+        assert await a_passed_by_b(shared) == await a_passed_by_b(memory)
+    finally:
+        for ledger in made:
+            await ledger.aclose()  # type: ignore[attr-defined]
+
+
+def test_a_tenants_own_rate_is_used_only_while_another_tenant_holds_or_waits() -> None:
+    """One tenant (tenants off: the default one) is predicted as before, from the ledger's release
+    rate and every byte ahead, whatever its own admission rate; so is a tenant with no rate yet."""
+    lanes = [(0, 7, "t", 2, 400), (0, 7, "u", 1, 200)]  # the size class of 100 bytes
+
+    def wait(standings: dict[str, Standing]) -> float:
+        return predicted_wait(lanes, "t", 100, 0, standings, 0, 50.0, 8, 30.0)
+
+    alone = {"t": Standing(10.0, 2, 1, rate=5.0)}
+    assert wait(alone) == pytest.approx((400 + 100) / 50)  # u neither holds nor waits: not ahead
+    shared = {**alone, "u": Standing(1.0, 1, 0)}
+    assert wait(shared) == pytest.approx((400 + 100) / 5)  # its own bytes ahead at its own rate
+    no_rate = {"t": Standing(10.0, 2, 1), "u": Standing(1.0, 1, 0)}
+    assert wait(no_rate) == pytest.approx((400 + 200 + 100) / 50)  # u's lower virtual time puts it ahead
+
+
+def test_an_admission_rate_counts_the_seconds_waited_since_the_last_admission() -> None:
+    rate = DrainRate(0.0)
+    rate.advance(0.5, busy=True)  # the first waiter
+    assert rate.rate_at(0.9) == 0.0  # nothing admitted yet
+    rate.advance(2.5, busy=True)
+    rate.released(100)  # admitted after 2 s of waiting
+    assert rate.rate_at(2.5) == pytest.approx(100 / 2)
+    assert rate.rate_at(6.5) < rate.rate_at(4.5) < 50  # still waiting, nothing admitted: slower
+    rate.advance(3.0, busy=False)  # its queue emptied: idle time does not count
+    assert rate.rate_at(60.0) == rate.rate_at(3.0)
+    short = DrainRate(0.0)
+    short.advance(0.0, busy=True)
+    short.advance(0.5, busy=True)
+    short.released(100)
+    assert short.rate_at(0.5) == 0.0  # half a second of backlog is too little to trust
 
 
 async def test_a_tenant_at_its_own_queue_bound_is_refused_while_others_still_queue(backend: Backend) -> None:
