@@ -362,11 +362,10 @@ async def test_quotas_are_never_exceeded_and_a_request_over_its_quota_is_refused
     assert await rejected() == expected
 
 
-async def test_retry_after_counts_only_the_waiters_ordered_before_the_tenant(backend: Backend) -> None:
-    """A light tenant arriving behind a heavy backlog is ordered before it (its virtual time is
-    lower), so its Retry-After counts none of the heavy tenant's waiters; a heavy request counts them all."""
-    ledger = backend.make(100)
-    for _ in range(5):  # a drain rate: 10 bytes per busy second
+async def heavy_backlog(backend: Backend, ledger: BudgetLedger) -> tuple[Reservation, list[asyncio.Task[Reservation]]]:
+    """A drain rate of 10 bytes per busy second, the whole budget (100) held by "heavy", and
+    four "heavy" waiters of 20 bytes queued behind it, 2 s later: the holder and the waiters."""
+    for _ in range(5):
         reservation = await ledger.reserve(100, tenant="heavy")
         backend.clock.advance(10)
         reservation.release()
@@ -374,6 +373,14 @@ async def test_retry_after_counts_only_the_waiters_ordered_before_the_tenant(bac
     heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
     await backend.queued(ledger, 4)
     backend.clock.advance(2)
+    return holder, heavy
+
+
+async def test_retry_after_counts_only_the_waiters_ordered_before_the_tenant(backend: Backend) -> None:
+    """A light tenant arriving behind a heavy backlog is ordered before it (its virtual time is
+    lower), so its Retry-After counts none of the heavy tenant's waiters; a heavy request counts them all."""
+    ledger = backend.make(100)
+    holder, heavy = await heavy_backlog(backend, ledger)
     rate = (await statistics(ledger)).release_rate_bytes_per_second
     assert 5 < rate < 20  # so that neither hint below is clamped to 1 s
 
@@ -392,14 +399,7 @@ async def test_a_queue_timeouts_retry_after_is_its_tenants(backend: Backend) -> 
     """A heavy request that times out behind the heavy backlog is told the heavy tenant's wait
     (its four waiters ahead), not the wait of a request of no tenant (which would be first)."""
     ledger = backend.make(100)
-    for _ in range(5):  # a drain rate: 10 bytes per busy second
-        reservation = await ledger.reserve(100, tenant="heavy")
-        backend.clock.advance(10)
-        reservation.release()
-    holder = await ledger.reserve(100, tenant="heavy")
-    heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
-    await backend.queued(ledger, 4)
-    backend.clock.advance(2)
+    holder, heavy = await heavy_backlog(backend, ledger)
     await statistics(ledger)
     expected = ledger.retry_after(20, tenant="heavy")
     assert expected > ledger.retry_after(20)  # the default tenant is ordered first
