@@ -18,7 +18,7 @@ import pytest
 from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, QueueTimeout, Reservation, TenantPolicy
 from gpu_asgi._drain import DrainRate
 from gpu_asgi._fair_share import NO_LEAD, Lead, Standing, arrival_vt, lift, measure
-from gpu_asgi._ledger import predicted_wait
+from gpu_asgi._prediction import predicted_wait
 
 from . import _redis
 from ._asgi import settle
