@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,91 +22,16 @@ from gpu_asgi._prediction import predicted_wait
 
 from . import _redis
 from ._asgi import settle
-from ._redis import REDIS_SERVER, RedisServer, eventually, requires_redis_server
+from ._backends import BACKENDS, Backend, Clock, open_backend, open_ledgers, start
+from ._redis import RedisServer, eventually, requires_redis_server
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
 
 
-class Clock:
-    """Seconds that move only when told to."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class Backend:
-    def __init__(
-        self,
-        kind: str,
-        make: Callable[..., BudgetLedger],
-        quiet: Callable[[], Awaitable[None]],
-        waiting: Callable[[BudgetLedger], int],
-    ) -> None:
-        self.kind = kind
-        self.make = make
-        self.quiet = quiet
-        self.clock = Clock()
-        self._waiting = waiting
-        self.server: RedisServer | None = None
-
-    async def queued(self, ledger: BudgetLedger, count: int) -> None:
-        """Until exactly ``count`` requests wait in ``ledger`` (so arrival order is certain)."""
-        if self.kind == "memory":
-            await self.quiet()
-        await eventually(lambda: self._waiting(ledger) == count, timeout=5)
-
-    async def still_waiting(self, *tasks: asyncio.Future[Reservation]) -> bool:
-        await self.quiet()
-        return not any(task.done() for task in tasks)
-
-
-@pytest.fixture(
-    params=[
-        "memory",
-        pytest.param("redis", marks=pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")),
-    ]
-)
+@pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
-    if request.param == "memory":
-        backend = Backend(
-            "memory",
-            lambda capacity, **options: Ledger(capacity, clock=backend.clock, **options),
-            settle,
-            lambda ledger: ledger.statistics().waiting,
-        )
-        yield backend
-        return
-    from gpu_asgi.redis_ledger import RedisLedger
-
-    server: RedisServer = request.getfixturevalue("redis_server")
-    name: str = request.getfixturevalue("namespace")
-    made: list[BudgetLedger] = []
-
-    def make(capacity: Any, **options: Any) -> BudgetLedger:
-        # A long lease: the injected clock jumps, and leases must not expire in its time.
-        options = {"lease_ttl": 3600.0, **options}
-        ledger = RedisLedger(server.url, capacity, namespace=name, clock=backend.clock, **options)
-        made.append(ledger)
-        return ledger
-
-    def waiting(ledger: BudgetLedger) -> int:
-        return int(server.ledger_state(name)["tickets"])  # type: ignore[call-overload]
-
-    backend = Backend("redis", make, lambda: asyncio.sleep(0.25), waiting)
-    backend.server = server
-    yield backend
-    for ledger in made:
-        await ledger.aclose()
-
-
-def start(ledger: BudgetLedger, nbytes: int, **options: Any) -> asyncio.Task[Reservation]:
-    return asyncio.ensure_future(ledger.reserve(nbytes, **options))
+    async with open_backend(request, clock=Clock()) as opened:
+        yield opened
 
 
 async def granted(task: asyncio.Future[Reservation]) -> Reservation:
@@ -466,29 +391,11 @@ async def test_a_backlogged_tenants_retry_after_follows_its_own_admission_rate(b
 async def test_both_ledgers_keep_the_same_admission_rate(redis_server: RedisServer, namespace: str) -> None:
     """The Lua scripts keep a tenant's admission rate with the in-process arithmetic: the same
     events give the same prediction, to the bit."""
-    from gpu_asgi.redis_ledger import RedisLedger
-
-    memory: Backend = Backend(
-        "memory",
-        lambda capacity, **options: Ledger(capacity, clock=memory.clock, **options),
-        settle,
-        lambda ledger: ledger.statistics().waiting,
-    )
-    made: list[BudgetLedger] = []
-
-    def make(capacity: Any, **options: Any) -> BudgetLedger:
-        options = {"lease_ttl": 3600.0, **options}
-        made.append(RedisLedger(redis_server.url, capacity, namespace=namespace, clock=shared.clock, **options))
-        return made[-1]
-
-    shared = Backend(
-        "redis", make, lambda: asyncio.sleep(0.25), lambda _: int(redis_server.ledger_state(namespace)["tickets"])
-    )
-    try:
+    async with (
+        open_ledgers("memory", clock=Clock()) as memory,
+        open_ledgers("redis", clock=Clock(), server=redis_server, name=namespace) as shared,
+    ):
         assert await a_passed_by_b(shared) == await a_passed_by_b(memory)
-    finally:
-        for ledger in made:
-            await ledger.aclose()  # type: ignore[attr-defined]
 
 
 def test_a_tenants_own_rate_is_used_only_while_another_tenant_holds_or_waits() -> None:

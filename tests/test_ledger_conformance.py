@@ -11,62 +11,23 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from gpu_asgi import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, Ledger, NeverFits, QueueFull, Reservation, gpu_bound
+from gpu_asgi import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, NeverFits, QueueFull, Reservation, gpu_bound
 
 from . import _redis
-from ._asgi import settle
-from ._redis import REDIS_SERVER, RedisServer
+from ._backends import BACKENDS, Backend, open_backend, start
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
 
-MakeLedger = Callable[..., BudgetLedger]
 
-
-class Backend:
-    """Makes ledgers of one kind; ``quiet()`` waits long enough for any decision to have landed."""
-
-    def __init__(self, make: MakeLedger, quiet: Callable[[], Awaitable[None]]) -> None:
-        self.make = make
-        self.quiet = quiet
-
-    async def still_waiting(self, *tasks: asyncio.Future[Reservation]) -> bool:
-        await self.quiet()
-        return not any(task.done() for task in tasks)
-
-
-@pytest.fixture(
-    params=[
-        "memory",
-        pytest.param("redis", marks=pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")),
-    ]
-)
+@pytest.fixture(params=BACKENDS)
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
-    if request.param == "memory":
-        yield Backend(Ledger, settle)
-        return
-    from gpu_asgi.redis_ledger import RedisLedger
-
-    server: RedisServer = request.getfixturevalue("redis_server")
-    name: str = request.getfixturevalue("namespace")
-    made: list[RedisLedger] = []
-
-    def make(capacity: Any, **options: Any) -> RedisLedger:
-        ledger = RedisLedger(server.url, capacity, namespace=name, **options)
-        made.append(ledger)
-        return ledger
-
-    yield Backend(make, lambda: asyncio.sleep(0.25))
-    for ledger in made:
-        await ledger.aclose()
-
-
-def start(ledger: BudgetLedger, nbytes: int, **options: Any) -> asyncio.Task[Reservation]:
-    return asyncio.ensure_future(ledger.reserve(nbytes, **options))
+    async with open_backend(request) as opened:
+        yield opened
 
 
 async def granted(task: asyncio.Future[Reservation]) -> Reservation:
