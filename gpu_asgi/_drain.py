@@ -32,13 +32,17 @@ class DrainRate:
     def advance(self, now: float, busy: bool) -> None:
         """Account for the time since the last call; ``busy`` says whether bytes are reserved from now on."""
         if now > self.last:  # a clock that stands still or steps back adds nothing
-            elapsed = now - self.last
-            if self.busy:
-                decay = math.exp(-elapsed / RATE_WINDOW)
-                self.bytes *= decay
-                self.seconds = self.seconds * decay + elapsed
+            self.bytes, self.seconds = self._at(now)
             self.last = now
         self.busy = busy
+
+    def _at(self, now: float) -> tuple[float, float]:
+        """Bytes and busy seconds decayed to ``now`` (unchanged while idle or before ``last``)."""
+        elapsed = now - self.last
+        if self.busy and elapsed > 0:
+            decay = math.exp(-elapsed / RATE_WINDOW)
+            return self.bytes * decay, self.seconds * decay + elapsed
+        return self.bytes, self.seconds
 
     def released(self, nbytes: int) -> None:
         self.bytes += nbytes
@@ -49,12 +53,7 @@ class DrainRate:
         A tenant's admission rate is read this way: time it has waited since its last admission
         counts, and a rate from a moment of backlog is not trusted.
         """
-        nbytes, seconds = self.bytes, self.seconds
-        elapsed = now - self.last
-        if self.busy and elapsed > 0:
-            decay = math.exp(-elapsed / RATE_WINDOW)
-            nbytes = nbytes * decay
-            seconds = seconds * decay + elapsed
+        nbytes, seconds = self._at(now)
         return nbytes / seconds if nbytes > 0 and seconds >= MIN_BUSY_SPAN else 0.0
 
     @property
