@@ -312,6 +312,7 @@ class GPUAdmissionMiddleware:
     async def answer_unread(self, scope: Scope, send: Send) -> None:
         """A tagged endpoint started its response without reading its body (or its body was read
         before the router ran, by something inside the app), so it ran unadmitted."""
+        scope[ADMITTING_SCOPE_KEY] = True  # this answer is ours: an outer middleware passes it through
         route = _route_name(scope)
         logger.error("%s is tagged @gpu_bound but answered without reading its body: it ran unadmitted", route)
         error = _UnreadBody(

@@ -20,10 +20,11 @@ from ._types import Message, Receive, Scope, Send
 if TYPE_CHECKING:
     from ._middleware import GPUAdmissionMiddleware, Granted
 
-#: Scope key set when a GPUAdmissionMiddleware starts admitting the request, before it reads the
-#: body: another (nested) middleware's responder sees it and steps aside, so nothing is admitted
-#: twice. Set on admission only, so an untagged request leaves the scope as it came. A flag, not the
-#: responder: the responder holds the scope, and a cycle would leave every request to the cyclic GC.
+#: Scope key set when a GPUAdmissionMiddleware takes a tagged request on: as it starts admitting
+#: (before it reads the body) or answers it itself. Another (nested) middleware's responder sees it
+#: and steps aside, so nothing is admitted or answered twice. Never set for an untagged request,
+#: whose scope is left as it came. A flag, not the responder: the responder holds the scope, and a
+#: cycle would leave every request to the cyclic GC.
 ADMITTING_SCOPE_KEY = "gpu_asgi.admitting"
 
 _UNDECIDED, _PASS, _ADMITTED, _ANSWERED = range(4)

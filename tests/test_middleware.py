@@ -734,6 +734,20 @@ async def test_nested_middlewares_the_one_nearest_the_route_admits_and_refuses()
     assert refused.status_code == 415 and refused.headers["x-gpu-admission-reason"] == "unsupported-media-type", refused.text
 
 
+async def test_nested_middlewares_answer_an_unread_tagged_endpoint_once(caplog: pytest.LogCaptureFixture) -> None:
+    @gpu_bound()
+    async def lazy(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ran without reading")
+
+    ledger = Ledger(1000)
+    app = GPUAdmissionMiddleware(make_app(ledger, lazy), ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        response = await http.post("/generate", json={"prompt": "a"})
+    assert response.status_code == 500
+    assert response.json()["type"] == "urn:gpu-asgi:problem:route-not-admitted"
+    assert caplog.text.count("without reading") == 1, caplog.text  # one middleware answered, and said so
+
+
 async def test_an_outer_middleware_with_explicit_routes_admits_and_the_inner_one_steps_aside() -> None:
     outer_ledger, inner_ledger = Ledger(1000), Ledger(1000)
     inner = make_app(inner_ledger, echo)
