@@ -29,7 +29,7 @@ from ._errors import DeadlineUnmeetable, DeviceMemoryLow, GPUAdmissionError, Que
 from ._estimate import Estimator, check_estimator
 from ._ledger import BudgetLedger, Reservation
 from ._problems import send_problem
-from ._responder import Responder, caused_by_answer
+from ._responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
 from ._sampler import DeviceSampler
 from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes
 from ._tenancy import DEFAULT_TENANT
@@ -46,10 +46,6 @@ DEFAULT_BODY_TIMEOUT = 30.0
 #: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
 ADMISSION_STATE_KEY = "gpu_admission"
 RESERVATION_STATE_KEY = "gpu_reservation"
-#: Scope key set while a GPUAdmissionMiddleware watches the request: a second (nested) middleware
-#: sees it and passes the request through, so nothing is admitted twice. A flag, not the responder:
-#: the responder holds the scope, and a cycle would leave every request to the cyclic GC.
-WATCHED_SCOPE_KEY = "gpu_asgi.watched"
 ASYNCIO_ONLY = (
     "gpu_asgi runs on asyncio only (its ledger and queue are asyncio objects): "
     "serve the app on an asyncio event loop (uvicorn, hypercorn's default asyncio worker, granian)."
@@ -173,17 +169,18 @@ class GPUAdmissionMiddleware:
             if not self._routes_checked:  # no lifespan ran (TestClient without `with`, lifespan off)
                 self._check_routes(scope)
             # Admission reads the body, and no tagged route accepts a body-less method (checked
-            # above), so GET/HEAD/OPTIONS/TRACE go straight through, as does a request an outer
-            # GPUAdmissionMiddleware already watches.
-            if scope["method"] not in BODYLESS_METHODS and WATCHED_SCOPE_KEY not in scope:
+            # above), so GET/HEAD/OPTIONS/TRACE go straight through.
+            if scope["method"] not in BODYLESS_METHODS:
                 # Watched: the app gets receive/send wrapped by a Responder; the router picks the
                 # endpoint, and a tagged one is admitted at its first body read. Inline, not in a
                 # helper coroutine: every POST, tagged or not, would pay for that frame.
-                scope[WATCHED_SCOPE_KEY] = True
                 responder = Responder(self, scope, receive, send)
                 if self._explicit:
                     spec = self._explicit.get(scope["path"])
-                    if spec is not None and scope["method"] in spec.methods and not await responder.admit(spec):
+                    if (
+                        spec is not None and scope["method"] in spec.methods and ADMITTING_SCOPE_KEY not in scope
+                        and not await responder.admit(spec)
+                    ):
                         return
                 try:
                     await self.app(scope, responder.receive, responder.send)
@@ -234,6 +231,7 @@ class GPUAdmissionMiddleware:
     async def admit(self, spec: RouteSpec, scope: Scope, receive: Receive, send: Send) -> Granted | None:
         """Read the body, estimate and reserve: what the endpoint gets, or None once gpu_asgi has
         answered the request itself (a refusal) or the client has left (nothing reserved)."""
+        scope[ADMITTING_SCOPE_KEY] = True  # before the body read, which may pass through an outer middleware
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -314,6 +312,7 @@ class GPUAdmissionMiddleware:
     async def answer_unread(self, scope: Scope, send: Send) -> None:
         """A tagged endpoint started its response without reading its body (or its body was read
         before the router ran, by something inside the app), so it ran unadmitted."""
+        scope[ADMITTING_SCOPE_KEY] = True  # this answer is ours: an outer middleware passes it through
         route = _route_name(scope)
         logger.error("%s is tagged @gpu_bound but answered without reading its body: it ran unadmitted", route)
         error = _UnreadBody(

@@ -20,6 +20,13 @@ from ._types import Message, Receive, Scope, Send
 if TYPE_CHECKING:
     from ._middleware import GPUAdmissionMiddleware, Granted
 
+#: Scope key set when a GPUAdmissionMiddleware takes a tagged request on: as it starts admitting
+#: (before it reads the body) or answers it itself. Another (nested) middleware's responder sees it
+#: and steps aside, so nothing is admitted or answered twice. Never set for an untagged request,
+#: whose scope is left as it came. A flag, not the responder: the responder holds the scope, and a
+#: cycle would leave every request to the cyclic GC.
+ADMITTING_SCOPE_KEY = "gpu_asgi.admitting"
+
 _UNDECIDED, _PASS, _ADMITTED, _ANSWERED = range(4)
 
 
@@ -45,9 +52,11 @@ def caused_by_answer(error: BaseException) -> bool:
 
 
 def matched_spec(scope: Scope) -> RouteSpec | None:
-    """The spec of the endpoint the router chose for this request, if it chose a tagged one."""
+    """The spec of the endpoint the router chose for this request, if it chose a tagged one that
+    no other GPUAdmissionMiddleware admits (a nested one nearer the router, whose body read
+    reaches it first, or an outer one with explicit ``routes=``)."""
     spec = route_spec_of(scope.get("endpoint"))
-    if spec is None:
+    if spec is None or ADMITTING_SCOPE_KEY in scope:
         return None
     methods = getattr(scope.get("route"), "methods", None)
     if methods is not None and scope["method"] not in methods:

@@ -128,12 +128,13 @@ def gpu_bound(
 
 
 def route_spec_of(endpoint: Any) -> RouteSpec | None:
-    """The spec an endpoint was tagged with (also through ``functools.partial``/methods)."""
+    """The spec an endpoint was tagged with (also through ``functools.partial``; a bound method
+    reads its function's attributes itself)."""
     while endpoint is not None:
         spec = getattr(endpoint, SPEC_ATTRIBUTE, None)
         if spec is not None:
             return spec  # type: ignore[no-any-return]
-        endpoint = getattr(endpoint, "func", None) or getattr(endpoint, "__func__", None)
+        endpoint = getattr(endpoint, "func", None)
     return None
 
 

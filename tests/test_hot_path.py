@@ -64,6 +64,16 @@ async def test_an_untagged_route_reads_through_the_servers_own_receive() -> None
     assert response_of(server) == (200, {"server_call": True, "body": 15})
 
 
+async def test_an_untagged_request_leaves_the_scope_as_it_came() -> None:
+    """No key of gpu_asgi's in an untagged request's scope: on FastAPI one more key grows the
+    scope dict on every request (docs/benchmarks.md, "Where an untagged POST's time goes")."""
+    server = Server(b"not json at all")
+    scope = http_scope("/untagged")
+    await app_with(server)(scope, server.receive, server.send)
+    assert response_of(server)[0] == 200
+    assert not [key for key in scope if key.startswith("gpu_asgi")], sorted(scope)
+
+
 async def test_a_tagged_route_still_gets_its_body_replayed_after_admission() -> None:
     body = json.dumps({"prompt": "hello there", "max_new_tokens": 4}).encode()
     server = Server(body)

@@ -697,6 +697,69 @@ async def test_nested_middlewares_admit_once() -> None:
     assert ledger.statistics().admitted_total == 1
 
 
+class CopyScope:
+    """A middleware that hands the app below it a copy of the scope, as some do."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(dict(scope), receive, send)
+
+
+async def test_nested_middlewares_with_a_scope_copy_between_them_admit_once() -> None:
+    """The outer middleware cannot see the route the router chose in a copy of its scope, so the
+    inner one, which can, must admit (and the outer must not step aside for it blindly)."""
+    outer_ledger, inner_ledger = Ledger(1000), Ledger(1000)
+    inner = make_app(inner_ledger, echo)
+    app = GPUAdmissionMiddleware(CopyScope(inner), ledger=outer_ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        response = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+    assert response.status_code == 200 and response.json()["held"] == 4
+    assert (inner_ledger.statistics().admitted_total, outer_ledger.statistics().admitted_total) == (1, 0)
+
+
+async def test_nested_middlewares_the_one_nearest_the_route_admits_and_refuses() -> None:
+    """Two nested middlewares with their own ledgers: the inner one (nearest the router, whose body
+    read reaches it first) admits or refuses; the outer one steps aside, even when the inner one
+    refuses before reading the body."""
+    outer_ledger, inner_ledger = Ledger(1000), Ledger(1000)
+    inner = make_app(inner_ledger, echo)
+    app = GPUAdmissionMiddleware(inner, ledger=outer_ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        admitted = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+        refused = await http.post("/generate", content=b"x", headers={"content-type": "text/plain"})
+    assert admitted.status_code == 200 and admitted.json()["held"] == 4
+    assert (inner_ledger.statistics().admitted_total, outer_ledger.statistics().admitted_total) == (1, 0)
+    assert refused.status_code == 415 and refused.headers["x-gpu-admission-reason"] == "unsupported-media-type", refused.text
+
+
+async def test_nested_middlewares_answer_an_unread_tagged_endpoint_once(caplog: pytest.LogCaptureFixture) -> None:
+    @gpu_bound()
+    async def lazy(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ran without reading")
+
+    ledger = Ledger(1000)
+    app = GPUAdmissionMiddleware(make_app(ledger, lazy), ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        response = await http.post("/generate", json={"prompt": "a"})
+    assert response.status_code == 500
+    assert response.json()["type"] == "urn:gpu-asgi:problem:route-not-admitted"
+    assert caplog.text.count("without reading") == 1, caplog.text  # one middleware answered, and said so
+
+
+async def test_an_outer_middleware_with_explicit_routes_admits_and_the_inner_one_steps_aside() -> None:
+    outer_ledger, inner_ledger = Ledger(1000), Ledger(1000)
+    inner = make_app(inner_ledger, echo)
+    app = GPUAdmissionMiddleware(
+        inner, ledger=outer_ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter(), routes={"/generate": RouteSpec()}
+    )
+    async with client(app) as http:
+        response = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+    assert response.status_code == 200 and response.json()["held"] == 4
+    assert (inner_ledger.statistics().admitted_total, outer_ledger.statistics().admitted_total) == (0, 1)
+
+
 def test_one_middleware_on_two_event_loops_times_out_slow_bodies_on_both() -> None:
     """Each request's body deadline is its own, whichever loop (thread) it runs on."""
     app = make_app(Ledger(1000), echo, body_timeout=0.1)

@@ -24,6 +24,22 @@ def test_decorator_returns_the_same_function_with_its_spec() -> None:
     assert route_spec_of(functools.partial(endpoint)) is spec
 
 
+def test_methods_and_partials_of_them_carry_their_functions_spec() -> None:
+    class Endpoints:
+        @gpu_bound(priority=1)
+        async def method(self) -> None: ...
+
+        @classmethod
+        @gpu_bound(priority=2)
+        async def class_method(cls) -> None: ...
+
+    endpoints = Endpoints()
+    assert route_spec_of(endpoints.method).priority == 1  # type: ignore[union-attr]
+    assert route_spec_of(functools.partial(endpoints.method)).priority == 1  # type: ignore[union-attr]
+    assert route_spec_of(Endpoints.class_method).priority == 2  # type: ignore[union-attr]
+    assert route_spec_of(endpoints.__init__) is None
+
+
 def test_invalid_specs_are_refused() -> None:
     with pytest.raises(ValueError):
         RouteSpec(default_max_new_tokens=100, max_new_tokens_cap=10)
