@@ -41,11 +41,13 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class Pair:
-    """One arrival sequence run with deadlines off and on; ``last`` is its last arrival."""
+    """One arrival sequence run with deadlines off and on; ``last`` is its last arrival, ``use``
+    the budget used while anyone waits in each run."""
 
     off: list[Arrival]
     on: list[Arrival]
     last: float
+    use: tuple[float, float]
 
     def served(self, r: Request) -> bool:
         return r.outcome == "ok" and r.finished is not None and r.finished <= self.last
@@ -58,9 +60,9 @@ def run_pairs(load: float, seeds: Iterable[int], requests: int, min_deadline: fl
     for seed in seeds:
         arrivals = clients(requests, seed, estimator, load, budget, min_deadline, max_wait)
         runs = [fresh(arrivals, True) for _ in range(2)]
-        for run, aware in zip(runs, (False, True), strict=True):
-            simulate(run, budget, True, Queues(4096), max_wait, aware)
-        pairs.append(Pair(runs[0], runs[1], max(a.request.arrival for a in arrivals)))
+        off, on = (simulate(run, budget, True, Queues(4096), max_wait, aware) for run, aware in zip(runs, (False, True)))
+        use = (off["budget_use_while_waiting"], on["budget_use_while_waiting"])
+        pairs.append(Pair(runs[0], runs[1], max(a.request.arrival for a in arrivals), use))
     return pairs
 
 
@@ -203,6 +205,8 @@ def main() -> None:
         pairs = run_pairs(load, seeds, args.requests, args.min_deadline, args.max_wait)
         print(f"\n== load {load:g}x, seeds {seeds.start}-{seeds.stop - 1}, {args.requests} requests each; served = by the last arrival")
         print(table(mix(pairs), MIX_HEADER))
+        print("budget used while anyone waits, per sequence, off / on: "
+              + ", ".join(f"{p.use[0]:.1%} / {p.use[1]:.1%}" for p in pairs))
         print("\nheavy tenant, queued with deadlines on")
         print(table(calibration(pairs), CALIBRATION_HEADER))
         print("\nheavy tenant, queued with deadlines on and admitted: the order its queue moves in (means)")
