@@ -238,8 +238,8 @@ def simulate(
         if deadline_aware:
             try:
                 decision = deadline_admission(ledger, r.estimate, r.deadline, tenant)
-            except DeadlineUnmeetable:
-                r.outcome = "unmeetable"
+            except DeadlineUnmeetable as refused:
+                r.outcome, r.predicted = "unmeetable", refused.retry_after  # the prediction that refused it
                 return
             if not isinstance(decision, Reservation):
                 r.predicted = ledger.retry_after(r.estimate, tenant=tenant)  # what the decision saw

@@ -87,7 +87,9 @@ class Request:
     admitted: float | None = None
     finished: float | None = None
     outcome: str = "pending"
-    predicted: float | None = None  # the predicted wait when it queued (deadline-aware admission), unscaled seconds
+    # The predicted wait when it queued (deadline-aware admission), unscaled seconds; bench_fairness's
+    # in-process runs keep it for a refused request too.
+    predicted: float | None = None
 
 
 @dataclass
