@@ -31,9 +31,9 @@ queue goes on serving it after the arrivals stop.
 
 Ledgers: the in-process ``Ledger`` in virtual time (deterministic; the deadline runs summed over
 ``--deadline-seeds`` arrival sequences), and the ``RedisLedger`` (a private redis-server) in real
-time with every duration scaled by ``--time-scale`` (its heartbeat only in the deadline runs, see
-``redis_ledger``; the deadline runs on one sequence, ``--seed``'s, next to the in-process ledger
-on the same one). ``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
+time with every duration scaled by ``--time-scale`` (its heartbeat only in the deadline runs, unless
+``--deadline-heartbeat default``, see ``redis_ledger``; the deadline runs on one sequence,
+``--seed``'s, next to the in-process ledger on the same one). ``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
 1 / ``--time-scale``, so a deadline shorter than that is refused only when the predicted wait
 exceeds the floor. The output ends with a verdict: each of issue 11's bars per ledger, met or not,
 with its figure.
@@ -467,9 +467,10 @@ def redis_ledger(
     """A fresh namespace on the private server.
 
     ``scaled_heartbeat``: the heartbeat, i.e. the age of the snapshot behind ``retry_after`` (the
-    deadline decision), scaled like every other duration. It also bounds the waiters' fallback
-    poll, so every waiter then asks Redis ``1 / scale`` times as often: the fair-share runs, with
-    over a thousand waiters, keep the default (fair share is decided in Redis, not from the snapshot).
+    ``Retry-After`` of a timeout; the deadline decision reads the reserve script's state, never
+    the snapshot), scaled like every other duration. It also bounds the waiters' fallback poll,
+    so every waiter then asks Redis ``1 / scale`` times as often: the fair-share runs, with over a
+    thousand waiters, keep the default (fair share is decided in Redis, not from the snapshot).
     """
     from gpu_asgi.redis_ledger import DEFAULT_LEASE_TTL, RedisLedger  # the redis extra
 
@@ -494,12 +495,13 @@ async def redis_runs(
 
 
 async def redis_deadline_runs(
-    url: str, arrivals: list[Arrival], budget: int, max_queue: Queues, max_wait: float, scale: float
+    url: str, arrivals: list[Arrival], budget: int, max_queue: Queues, max_wait: float, scale: float,
+    scaled_heartbeat: bool = True,
 ) -> dict[bool, dict[str, Any]]:
     """Deadlines off and on (fair share on, heavy tenant present): results by ``deadline_aware``."""
     runs = {}
     for deadline_aware in (False, True):
-        ledger = redis_ledger(url, budget, True, max_queue, max_wait, scale, scaled_heartbeat=True)
+        ledger = redis_ledger(url, budget, True, max_queue, max_wait, scale, scaled_heartbeat=scaled_heartbeat)
         try:
             runs[deadline_aware] = await run_realtime(
                 ledger, fresh(arrivals, True), budget, True, max_wait, scale, deadline_aware
@@ -644,6 +646,8 @@ def main() -> None:
     parser.add_argument("--deadline-loads", default="2.0,4.0", help="loads for the deadline runs (empty: none)")
     parser.add_argument("--min-deadline", type=float, default=2.0, help="shortest client deadline; the longest is --max-wait")
     parser.add_argument("--deadline-seeds", type=int, default=8, help="arrival sequences per in-process deadline run, summed")
+    parser.add_argument("--deadline-heartbeat", choices=("scaled", "default"), default="scaled",
+                        help="the Redis deadline runs' heartbeat: scaled by --time-scale, or the ledger's default")
     args = parser.parse_args()
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
@@ -706,7 +710,8 @@ def main() -> None:
                 results.append({"ledger": "memory", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
                                 "load": load, "max_queue": str(queues[0]), "off": side[False], "on": side[True]})
                 timed = asyncio.run(
-                    redis_deadline_runs(server.url, arrivals, budget, queues[0], args.max_wait, args.time_scale)
+                    redis_deadline_runs(server.url, arrivals, budget, queues[0], args.max_wait, args.time_scale,
+                                        args.deadline_heartbeat == "scaled")
                 )
                 totals = {aware: deadline_totals(f"deadlines-{'on' if aware else 'off'}", [run])
                           for aware, run in timed.items()}
