@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from ._client_deadline import unmeetable
 from ._drain import DrainRate
 from ._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
 from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare
@@ -98,6 +99,7 @@ class BudgetLedger(Protocol):
         priority: int = 0,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        wait_limit: float | None = None,
     ) -> Reservation: ...
 
     def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float: ...
@@ -304,6 +306,7 @@ class Ledger:
         priority: int = 0,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        wait_limit: float | None = None,
     ) -> Reservation:
         """Reserve ``nbytes`` for ``tenant`` on one of ``devices``, waiting in the queue if they do not fit yet.
 
@@ -312,6 +315,10 @@ class Ledger:
         when the queue is at ``max_queue``, and :class:`QueueTimeout` after ``timeout`` (default
         ``max_wait``) seconds; ``ValueError`` for a priority outside ``MIN_PRIORITY..MAX_PRIORITY``. Cancelling the caller leaves the queue cleanly, and bytes
         granted in the same instant are passed on, never leaked.
+
+        ``wait_limit``: the seconds the client waits at most. When the request cannot be granted
+        at once and its predicted wait (:meth:`retry_after`, now, before it joins) is longer,
+        :class:`DeadlineUnmeetable` at once, before any queue check (docs/admission.md, "Deadlines").
         """
         check_priority(priority)
         allowed = self._allowed(devices, nbytes)
@@ -323,6 +330,12 @@ class Ledger:
             device = _place(nbytes, allowed)
             if device is not None:
                 return self._grant(device, nbytes, 0.0, tenant, now)
+        if wait_limit is not None:
+            refusal = unmeetable(
+                wait_limit, self.release_rate(), lambda: self.retry_after(nbytes, priority=priority, tenant=tenant)
+            )
+            if refusal is not None:
+                raise refusal
         if self._waiting >= self.max_queue:
             self._count_rejection(QueueFull.reason)
             raise QueueFull(

@@ -22,7 +22,6 @@ from opentelemetry.trace import Span, TracerProvider
 
 from . import _telemetry as otel
 from ._body import check_headers, client_wait, parse_request, read_body
-from ._client_deadline import queue_timeout
 from ._deadlines import Deadlines
 from ._device_policy import CLAMPED_HEADER, DeviceGuard, ThermalPolicy
 from ._errors import DeadlineUnmeetable, DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
@@ -355,14 +354,15 @@ class GPUAdmissionMiddleware:
             devices = spec.devices if self.device_guard is None else self._trusted_devices(spec, nbytes, tenant)
             reservation = self.ledger.try_reserve(nbytes, devices=devices, tenant=tenant)
             if reservation is None:
-                timeout = (
-                    None if wait_limit is None else queue_timeout(self.ledger, nbytes, spec.priority, wait_limit, tenant)
-                )
+                # The deadline decision is the ledger's, at the moment it finds the request must queue.
+                timeout = None if wait_limit is None else min(wait_limit, self._wait_cap)
                 # Requests whose reserve() task has not run yet are not in the ledger's count: ours covers them.
                 depth = max(self.ledger.statistics().waiting, self._queued)
                 self._queued += 1
                 started = time.perf_counter()
-                reservation, pending = await self._wait(nbytes, devices, spec.priority, receive, timeout, tenant)
+                reservation, pending = await self._wait(
+                    nbytes, devices, spec.priority, receive, timeout, tenant, wait_limit
+                )
                 if reservation is None:
                     outcome = otel.DISCONNECTED
                     return None, None
@@ -429,14 +429,18 @@ class GPUAdmissionMiddleware:
         receive: Receive,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        wait_limit: float | None = None,
     ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
-        """Queue for the bytes while listening for a disconnect.
+        """Queue for the bytes while listening for a disconnect (``wait_limit``: the ledger may
+        refuse at once, :class:`DeadlineUnmeetable`).
 
         Returns the reservation and the still-pending ``receive()`` (handed on to the endpoint so
         no message is lost), or ``(None, None)`` when the client disconnected first.
         """
         reserving = asyncio.ensure_future(
-            self.ledger.reserve(nbytes, devices=devices, priority=priority, timeout=timeout, tenant=tenant)
+            self.ledger.reserve(
+                nbytes, devices=devices, priority=priority, timeout=timeout, tenant=tenant, wait_limit=wait_limit
+            )
         )
         listening: asyncio.Future[Message] = asyncio.ensure_future(receive())
         try:

@@ -436,6 +436,32 @@ local function size_class(n)
   while n >= 1 do n, c = math.floor(n / 2), c + 1 end
   return c
 end
+
+-- The shared state now, as _redis_scripts.Beat reads it: bytes and leases held by device, waiters,
+-- the counts, the drain rate's bytes and busy seconds, the boot id, and one row per tenant that
+-- holds or waits, per configured one and for tenant 'also' (if given): name, held, leases,
+-- waiting, bytes waiting, byte-seconds served up to now, virtual time, its lead (credit, low,
+-- hcredit, high) and its admission rate now (0 while unknown). What Retry-After and the deadline
+-- decision need; its cost grows with the lanes and tenants, never with the waiters.
+local function snapshot(also)
+  local rel = redis.call('HMGET', K_REL, 'bytes', 'seconds')
+  local tenants, seen = {}, {}
+  local function row(t)
+    if seen[t] then return end
+    seen[t] = true
+    local a = account(t)
+    local served = a.served
+    if now > a.last then served = served + a.held * ((now - a.last) / 1000) end
+    tenants[#tenants + 1] = {t, int(a.held), int(a.inflight), int(a.waiting), int(a.wbytes),
+      string.format('%.17g', served), string.format('%.17g', vt_at(a)), string.format('%.17g', a.credit), a.low,
+      string.format('%.17g', a.hcredit), a.high, string.format('%.17g', admission_rate(a))}
+  end
+  for _, t in ipairs(redis.call('SMEMBERS', K_TEN)) do row(t) end
+  for t, _ in pairs(cfg.tenants) do row(t) end
+  if also then row(also) end
+  return {redis.call('HGETALL', K_RES), redis.call('HGETALL', K_INFL), redis.call('ZCARD', K_QUEUE),
+          redis.call('HGETALL', K_COUNT), rel[1] or '0', rel[2] or '0', boot, tenants}
+end
 """
 
 #: After the body: record the busy state for the drain rate.
@@ -446,7 +472,9 @@ return result
 """
 
 # ARG: id, bytes, devices (JSON, in the ledger's order), device indexes (e.g. "0,1"), priority,
-# tenant. Asking again with the same id answers the state of the first ask (a call that timed out).
+# tenant, '1' to answer {'wait', snapshot} instead of queueing when it cannot be granted at once
+# (the deadline decision is then taken on that snapshot, and a second call queues). Asking again
+# with the same id answers the state of the first ask (a call that timed out).
 RESERVE = """
 local function main()
   if reap() > 0 then dispatch() end
@@ -463,6 +491,7 @@ local function main()
       return {'granted', dev}
     end
   end
+  if ARG[7] == '1' then return {'wait', snapshot(t)} end  -- before any queue check, as the in-process ledger
   if waiting >= cfg.queue then
     redis.call('HINCRBY', K_COUNT, 'rejected:queue-full', 1)
     return {'full', waiting}
@@ -550,10 +579,7 @@ local function main()
 end
 """
 
-# ARG: ids to renew. Returns the ids Redis no longer knows, the shared snapshot and the boot id.
-# The tenants part: one row per tenant that holds or waits and per configured one: name, held,
-# leases, waiting, bytes waiting, byte-seconds served up to now, virtual time, its lead (credit,
-# low, hcredit, high) and its admission rate now (0 while unknown).
+# ARG: ids to renew. Returns the ids Redis no longer knows and the shared snapshot (with the boot id).
 HEARTBEAT = """
 local function main()
   reap()
@@ -566,21 +592,6 @@ local function main()
     end
   end
   dispatch()
-  local rel = redis.call('HMGET', K_REL, 'bytes', 'seconds')
-  local tenants, seen = {}, {}
-  local function row(t)
-    if seen[t] then return end
-    seen[t] = true
-    local a = account(t)
-    local served = a.served
-    if now > a.last then served = served + a.held * ((now - a.last) / 1000) end
-    tenants[#tenants + 1] = {t, int(a.held), int(a.inflight), int(a.waiting), int(a.wbytes),
-      string.format('%.17g', served), string.format('%.17g', vt_at(a)), string.format('%.17g', a.credit), a.low,
-      string.format('%.17g', a.hcredit), a.high, string.format('%.17g', admission_rate(a))}
-  end
-  for _, t in ipairs(redis.call('SMEMBERS', K_TEN)) do row(t) end
-  for t, _ in pairs(cfg.tenants) do row(t) end
-  return {missing, redis.call('HGETALL', K_RES), redis.call('HGETALL', K_INFL), redis.call('ZCARD', K_QUEUE),
-          redis.call('HGETALL', K_COUNT), rel[1] or '0', rel[2] or '0', boot, tenants}
+  return {missing, snapshot(nil)}
 end
 """

@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError, RedisError
@@ -176,16 +176,30 @@ class LedgerScripts:
         except (RedisError, OSError) as exc:
             raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
+    @overload
     async def reserve(
-        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str
-    ) -> tuple[str, str]:
-        """``("granted", device)``, ``("queued", position)`` or ``("full", waiting)``.
+        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: Literal[False] = False
+    ) -> tuple[str, str]: ...
+
+    @overload
+    async def reserve(
+        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: bool
+    ) -> tuple[str, str] | Beat: ...
+
+    async def reserve(
+        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: bool = False
+    ) -> tuple[str, str] | Beat:
+        """``("granted", device)``, ``("queued", position)`` or ``("full", waiting)``; with ``wait``,
+        instead of queueing a request that cannot be granted at once, the state of that moment
+        (a :class:`Beat`, for the deadline decision), and no ticket is taken.
 
         ``devices`` in the ledger's order. Asking again with the same id answers the first ask's state.
         """
         indexes = ",".join(str(self._index[name]) for name in devices)
         devs = json.dumps(list(devices))
-        state, detail = await self._run("reserve", id, nbytes, devs, indexes, priority, tenant)
+        state, detail = await self._run("reserve", id, nbytes, devs, indexes, priority, tenant, "1" if wait else "0")
+        if text(state) == "wait":
+            return _beat((), detail)
         return text(state), text(detail)
 
     async def claim(self, id: str) -> tuple[str, str]:
@@ -204,32 +218,9 @@ class LedgerScripts:
         await self._run("restore", id, nbytes, device, tenant)
 
     async def heartbeat(self, ids: Sequence[str]) -> Beat:
-        reply = await self._run("heartbeat", *ids)
-        missing, reserved, in_flight, waiting, counts, released, busy, boot, tenants = reply
-        self.boot = text(boot)
-        return Beat(
-            missing=tuple(text(id) for id in missing),
-            reserved=_pairs(reserved),
-            in_flight=_pairs(in_flight),
-            waiting=int(waiting),
-            counts=_pairs(counts),
-            released_bytes=float(released),
-            busy_seconds=float(busy),
-            tenants={
-                text(name): (int(held), int(leases), int(queued), int(queued_bytes), float(served))
-                for name, held, leases, queued, queued_bytes, served, *_ in tenants
-            },
-            standings={
-                text(name): Standing(
-                    float(vt),
-                    int(queued),
-                    int(leases),
-                    Lead(float(credit), text(low), float(high_credit), text(high)),
-                    float(rate),
-                )
-                for name, _, leases, queued, _, _, vt, credit, low, high_credit, high, rate in tenants
-            },
-        )
+        missing, snapshot = await self._run("heartbeat", *ids)
+        self.boot = text(snapshot[6])
+        return _beat(tuple(text(id) for id in missing), snapshot)
 
     async def count_rejection(self, reason: str) -> None:
         try:
@@ -237,6 +228,34 @@ class LedgerScripts:
                 await self.client.hincrby(self.keys[6], f"rejected:{reason}", 1)
         except (RedisError, OSError) as exc:
             raise RedisDown(str(exc) or type(exc).__name__) from exc
+
+
+def _beat(missing: tuple[str, ...], snapshot: Sequence[Any]) -> Beat:
+    """A :class:`Beat` from the scripts' ``snapshot()``."""
+    reserved, in_flight, waiting, counts, released, busy, _, tenants = snapshot
+    return Beat(
+        missing=missing,
+        reserved=_pairs(reserved),
+        in_flight=_pairs(in_flight),
+        waiting=int(waiting),
+        counts=_pairs(counts),
+        released_bytes=float(released),
+        busy_seconds=float(busy),
+        tenants={
+            text(name): (int(held), int(leases), int(queued), int(queued_bytes), float(served))
+            for name, held, leases, queued, queued_bytes, served, *_ in tenants
+        },
+        standings={
+            text(name): Standing(
+                float(vt),
+                int(queued),
+                int(leases),
+                Lead(float(credit), text(low), float(high_credit), text(high)),
+                float(rate),
+            )
+            for name, _, leases, queued, _, _, vt, credit, low, high_credit, high, rate in tenants
+        },
+    )
 
 
 def _policy(policy: TenantPolicy) -> tuple[float, int, int]:

@@ -24,13 +24,14 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Literal, Self
+from typing import Literal, Self, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ._errors import LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
+from ._client_deadline import unmeetable
+from ._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
 from ._fair_share import DEFAULT_TENANT_IDLE_TTL, check_quota
 from ._ledger import (
     DEFAULT_DEVICE,
@@ -48,6 +49,8 @@ from ._redis_upkeep import RETRIES, Upkeep, cancels
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 
 __all__ = ["RedisLedger"]
+
+_Answer = TypeVar("_Answer")
 
 DEFAULT_NAMESPACE = "gpu_asgi"
 DEFAULT_LEASE_TTL = 10.0
@@ -221,12 +224,15 @@ class RedisLedger:
         priority: int = 0,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        wait_limit: float | None = None,
     ) -> Reservation:
         """Reserve ``nbytes`` for ``tenant`` on one of ``devices`` from the shared budget, queueing if needed.
 
         As :meth:`Ledger.reserve <gpu_asgi.Ledger.reserve>`, plus :class:`~gpu_asgi.LedgerUnavailable`
         when Redis fails and ``on_unavailable`` is ``"fail-closed"``. Never waits past ``timeout``
-        (default ``max_wait``), whatever Redis does.
+        (default ``max_wait``), whatever Redis does. With ``wait_limit``, a request that cannot be
+        granted at once is decided on the shared state of that moment, which the reserve script
+        returns instead of queueing it; one more call then queues it (or grants it, if bytes came free).
         """
         check_priority(priority)
         names = self._allowed(devices, nbytes)
@@ -244,10 +250,10 @@ class RedisLedger:
             return await self._fallback(nbytes, names, priority, deadline, tenant)
         rid = upkeep.new_id()
         wake = upkeep.waiters[rid] = asyncio.Event()
-        settled, reason = False, ""
+        settled, reason, limit = False, "", wait_limit  # limit: None once the deadline is decided
         try:
             async with asyncio.timeout_at(deadline):
-                state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
+                state, detail = "gone", ""
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
                         raise asyncio.CancelledError
@@ -255,8 +261,18 @@ class RedisLedger:
                         settled = True  # no ticket was taken
                         message = f"{detail} requests are already waiting for GPU memory."
                         raise QueueFull(message, retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant))
-                    if state == "gone":  # never queued (a slow first call), or Redis lost the queue: join
-                        state, detail = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
+                    if state == "gone":  # not queued yet (first ask, a slow one), or Redis lost the queue: join
+                        answer = await self._ask(
+                            self._scripts.reserve(rid, nbytes, names, priority, tenant, wait=limit is not None)
+                        )
+                        if isinstance(answer, Beat):  # it must queue: the deadline decision, on that moment's state
+                            refusal = self._unmeetable(answer, nbytes, priority, tenant, limit)
+                            if refusal is not None:
+                                settled = True  # no ticket was taken
+                                raise refusal
+                            limit = None
+                            answer = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
+                        state, detail = answer
                         continue
                     poll = self.poll_interval if upkeep.listening else UNSUBSCRIBED_POLL_INTERVAL
                     with contextlib.suppress(TimeoutError):
@@ -284,7 +300,19 @@ class RedisLedger:
                 upkeep.leave(rid, reason)
         return await self._fallback(nbytes, names, priority, deadline, tenant)
 
-    async def _ask(self, call: Awaitable[tuple[str, str]]) -> tuple[str, str]:
+    def _unmeetable(
+        self, beat: Beat, nbytes: int, priority: int, tenant: str, wait_limit: float | None
+    ) -> DeadlineUnmeetable | None:
+        """The deadline rule (``_client_deadline``) on the state the reserve script just returned."""
+        if wait_limit is None:
+            return None
+        return unmeetable(
+            wait_limit,
+            beat.release_rate,
+            lambda: beat.retry_after(self._capacities, nbytes, self.max_wait, priority, self.max_bypass, tenant),
+        )
+
+    async def _ask(self, call: Awaitable[_Answer]) -> _Answer | tuple[str, str]:
         """A script's answer; ``("waiting", "")`` when it was only slow and Redis answers the probe
         (the next claim, by the same id, finds out what happened)."""
         try:

@@ -29,6 +29,7 @@ from gpu_asgi import (
 
 from . import _redis
 from ._asgi import client, wait_until
+from ._backends import BACKENDS, Backend, Clock, open_backend, start
 from ._redis import REDIS_SERVER, RedisServer
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
@@ -148,8 +149,8 @@ async def test_a_predicted_wait_over_the_deadline_is_refused_at_once(reject_stat
     assert response.status_code == reject_status
     assert response.json()["type"].endswith(":deadline-unmeetable")
     assert response.headers["retry-after"] == "5"  # the same model as any other Retry-After
-    assert timeouts == [] and ledger.statistics().waiting == 0  # never queued
-    assert ledger.statistics().rejected_total == {}  # the middleware refused, not the ledger
+    assert timeouts == [2.0] and ledger.statistics().waiting == 0  # reserve() refused it before it queued
+    assert ledger.statistics().rejected_total == {}  # a deadline refusal is the middleware's count, not the ledger's
     holder.release()
 
 
@@ -232,3 +233,170 @@ async def test_the_redis_ledger_decides_the_same(redis_ledger: Callable[..., Any
     holder.release()
     assert (await asyncio.wait_for(request, 30)).status_code == 200
     assert timeouts == [900.0]
+
+
+# -- the Redis ledger decides on the state of the moment, not on its snapshot ------------------------
+#
+# A heartbeat of half an hour: the snapshot behind statistics() and retry_after() stays as the
+# test left it, however slow the machine.
+STALE = {"max_wait": 1000, "lease_ttl": 3600.0, "heartbeat": 1800.0}
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
+async def test_a_request_redis_can_grant_now_is_admitted_whatever_the_snapshot_says(
+    redis_ledger: Callable[..., Any], redis_server: RedisServer, namespace: str
+) -> None:
+    ledger = redis_ledger(**STALE)
+    (await ledger.reserve(10_000)).release()
+    holder = await ledger.reserve(CAPACITY)
+    stats = await ledger.refresh_statistics()
+    assert stats.reserved_bytes == CAPACITY and ledger.retry_after(NEED) >= 5  # the snapshot: full, 5 s or more
+    holder.release()
+    await _redis.eventually(lambda: redis_server.ledger_state(namespace)["reserved"] == 0)
+    assert ledger.statistics().reserved_bytes == CAPACITY  # still what the snapshot says
+
+    response = await post(app_for(ledger), "2")
+    assert response.status_code == 200  # granted at once: Redis is free now
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
+async def test_the_redis_decision_uses_the_state_when_the_request_must_queue(
+    redis_ledger: Callable[..., Any], redis_server: RedisServer, namespace: str
+) -> None:
+    """The snapshot says the budget is free; another worker has since taken all of it: the
+    request is refused at once, from Redis's state, and leaves no ticket behind."""
+    ledger, other = redis_ledger(**STALE), redis_ledger(**STALE)
+    (await ledger.reserve(10_000)).release()
+    await _redis.eventually(lambda: redis_server.ledger_state(namespace)["reserved"] == 0)
+    stats = await ledger.refresh_statistics()
+    assert stats.reserved_bytes == 0 and stats.release_rate_bytes_per_second > 0
+    assert ledger.retry_after(NEED) == 1  # from the snapshot: it would fit
+    holder = await other.reserve(CAPACITY)
+
+    response = await post(app_for(ledger), "2")
+    assert response.status_code == 503 and response.json()["type"].endswith(":deadline-unmeetable")
+    assert int(response.headers["retry-after"]) >= 5  # NEED bytes behind a full budget at <= 10,000 B/s
+    assert redis_server.ledger_state(namespace)["tickets"] == 0  # it never joined the queue
+    holder.release()
+
+
+# -- both ledgers: one rule, on the same state, the same prediction ------------------------------
+
+
+@pytest.fixture(params=BACKENDS)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    async with open_backend(request, clock=Clock()) as opened:
+        yield opened
+
+
+def waiting_now(backend: Backend, ledger: BudgetLedger) -> int:
+    """Waiters in the ledger at this instant (no polling: a ticket that came and went is not missed)."""
+    if backend.kind == "memory":
+        return ledger.statistics().waiting
+    assert backend.server is not None
+    return int(backend.server.ledger_state(ledger.namespace)["tickets"])  # type: ignore[attr-defined, call-overload]
+
+
+def reserved_now(backend: Backend, ledger: BudgetLedger) -> int:
+    if backend.kind == "memory":
+        return ledger.statistics().reserved_bytes
+    assert backend.server is not None
+    return int(backend.server.ledger_state(ledger.namespace)["reserved"])  # type: ignore[attr-defined, call-overload]
+
+
+async def test_a_request_that_must_queue_is_decided_on_the_state_of_that_moment(backend: Backend) -> None:
+    """A drain rate of 10 bytes per busy second, 100 bytes held by "heavy" and four heavy
+    waiters of 20 bytes: a heavy request is predicted (4 x 20 + 20) / 10 = 10 s and refused with
+    a limit of 5 s, without joining the queue; a light one, ordered before the heavy backlog, is
+    predicted 20 / 10 = 2 s and queues. Both ledgers predict the same."""
+    ledger = backend.make(100, max_wait=1000)
+    for _ in range(5):
+        reservation = await ledger.reserve(100, tenant="heavy")
+        backend.clock.advance(10)
+        reservation.release()
+    holder = await ledger.reserve(100, tenant="heavy")
+    heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
+    await backend.queued(ledger, 4)
+    refresh = getattr(ledger, "refresh_statistics", None)
+    stats = await refresh() if refresh is not None else ledger.statistics()
+    rate = stats.release_rate_bytes_per_second
+    assert 5 < rate < 20  # neither prediction below is clamped
+    expected = ledger.retry_after(20, tenant="heavy")
+    assert expected == pytest.approx(100 / rate)
+
+    with pytest.raises(DeadlineUnmeetable) as refused:
+        await asyncio.wait_for(ledger.reserve(20, tenant="heavy", wait_limit=5), 10)  # fail, never hang
+    assert refused.value.retry_after == expected
+    assert refused.value.extensions == {"predicted_wait_seconds": round(expected, 3)}
+    assert waiting_now(backend, ledger) == 4  # never queued, not even for a moment
+
+    light = start(ledger, 20, tenant="light", wait_limit=5)
+    await backend.queued(ledger, 5)
+    holder.release()
+    assert (await asyncio.wait_for(light, 5)).tenant == "light"  # ordered before the heavy backlog
+    for task in heavy:
+        task.cancel()
+    await asyncio.gather(*heavy, return_exceptions=True)
+
+
+async def test_an_idle_tenant_is_ordered_by_its_remembered_virtual_time(backend: Backend) -> None:
+    """Tenant "d" (no configured policy) held 100 bytes for 10 s and went idle: it is remembered
+    with that virtual time (1,000), above the backlogged "x" (0), so "x"'s four waiters are ahead
+    of it and it is predicted (4 x 20 + 20) / 10 = 10 s: refused with a limit of 5 s. The Redis
+    ledger's decision reads the arriving tenant's account too, not only the active ones' (a
+    tenant that is neither active nor configured would otherwise count as new: 2 s, queued)."""
+    ledger = backend.make(100, max_wait=1000)
+    reservation = await ledger.reserve(100, tenant="d")
+    backend.clock.advance(10)
+    reservation.release()
+    if backend.kind == "redis":  # the release goes in the background: "x" must not queue behind "d"
+        await _redis.eventually(lambda: waiting_now(backend, ledger) == 0 and reserved_now(backend, ledger) == 0)
+    holder = await ledger.reserve(100, tenant="x")
+    waiters = [start(ledger, 20, tenant="x") for _ in range(4)]
+    await backend.queued(ledger, 4)
+    with pytest.raises(DeadlineUnmeetable) as refused:
+        await asyncio.wait_for(ledger.reserve(20, tenant="d", wait_limit=5), 10)  # fail, never hang
+    assert refused.value.retry_after == pytest.approx(10)
+    assert waiting_now(backend, ledger) == 4
+    for task in waiters:
+        task.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    holder.release()
+
+
+async def test_without_a_drain_rate_nothing_is_refused(backend: Backend) -> None:
+    ledger = backend.make(100, max_wait=1000)
+    holder = await ledger.reserve(100)
+    waiter = start(ledger, 50, wait_limit=0.5)
+    await backend.queued(ledger, 1)
+    holder.release()
+    (await asyncio.wait_for(waiter, 5)).release()
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
+async def test_bytes_freed_between_the_decision_and_joining_are_granted(
+    redis_ledger: Callable[..., Any], redis_server: RedisServer, namespace: str
+) -> None:
+    """Not refused, the request asks again to join; the budget freed meanwhile: it is granted
+    then, and no ticket is left behind."""
+    from gpu_asgi._redis_scripts import Beat
+
+    ledger = redis_ledger(**STALE)
+    (await ledger.reserve(10_000)).release()
+    holder = await ledger.reserve(CAPACITY)
+    answers: list[str] = []
+    reserve = ledger._scripts.reserve
+
+    async def freed_after_the_decision(*args: Any, **options: Any) -> Any:
+        answer = await reserve(*args, **options)
+        answers.append("state" if isinstance(answer, Beat) else answer[0])
+        if isinstance(answer, Beat):
+            holder.release()
+            await _redis.eventually(lambda: redis_server.ledger_state(namespace)["reserved"] == 0)
+        return answer
+
+    ledger._scripts.reserve = freed_after_the_decision
+    reservation = await asyncio.wait_for(ledger.reserve(NEED, wait_limit=900), 10)
+    assert answers == ["state", "granted"]
+    assert redis_server.ledger_state(namespace) == {"reserved": NEED, "leases": 1, "tickets": 0, "queued": 0}
+    reservation.release()

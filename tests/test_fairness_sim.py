@@ -60,7 +60,7 @@ def test_a_per_tenant_queue_bound_keeps_the_heavy_tenant_from_filling_the_shared
 
 def test_deadline_aware_admission_among_tenants_refuses_up_front_what_would_time_out() -> None:
     """Fair share on, each client with a deadline in [2, 30] s: the middleware's decision
-    (``queue_timeout`` with the tenant) refuses some requests at once, and fewer time out in the
+    (``reserve`` with the tenant and ``wait_limit``) refuses some requests at once, and fewer time out in the
     queue than when every request waits until its client gives up."""
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.9, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)

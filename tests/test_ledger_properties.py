@@ -14,6 +14,7 @@ ledgers' decisions (who is admitted, on which device, who is refused) or tenant 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpu_asgi import Ledger, NeverFits, QueueFull, Reservation, TenantPolicy
+from gpu_asgi._redis_scripts import Beat
 
 from . import _redis
 from ._redis import REDIS_SERVER, RedisServer
@@ -195,6 +197,10 @@ class InRedis:
     def heads_passed(self) -> list[int]:
         tickets = self.server.client().hvals("{" + self.namespace + "}:ticket")
         return [json.loads(raw)["b"] for raw in tickets]
+
+    def release_probe(self) -> None:
+        """Give back what ``predict_for_a_deadline`` was granted."""
+        self.run(self.scripts.release("probe", 0, True))
 
     def close(self) -> None:
         self.run(self.client.aclose())
@@ -413,6 +419,50 @@ class TwoLedgersMachine(LedgerMachine):
     with_redis = True
     server: RedisServer
     namespaces = 0
+
+    @rule(
+        nbytes=SIZES,
+        choice=st.integers(0, len(DEVICE_CHOICES) - 1),
+        priority=PRIORITIES,
+        tenant=st.sampled_from(TENANTS),
+    )
+    def predict_for_a_deadline(self, nbytes: int, choice: int, priority: int, tenant: str) -> None:
+        """What each ledger decides a deadline on, asked where ``reserve(wait_limit=...)`` asks it:
+        granted at once by both, or the same predicted wait from both, on the in-process state and
+        on the state the reserve script returns (its flag set: no ticket taken). The drain rate is
+        set alike on both sides: Redis decays it at every script, the in-process ledger only at
+        grants and releases, so after a tick the two rates differ a little (docs/benchmarks.md)."""
+        assert self.redis is not None
+        devices = DEVICE_CHOICES[choice]
+        quota = self.memory.ledger.tenant_policy(tenant).quota_bytes
+        nbytes = min(nbytes, fits_everywhere(devices), quota or nbytes)
+        memory = self.memory.ledger
+        grantable = memory.try_reserve(nbytes, devices=devices, tenant=tenant)
+        names = [name for name in CAPACITIES if devices is None or name in devices]
+        answer = self.redis.run(self.redis.scripts.reserve("probe", nbytes, names, priority, tenant, wait=True))
+        if grantable is not None:
+            assert answer[0] == "granted", "the in-process ledger grants at once, Redis does not"
+            grantable.release()
+            self.redis.release_probe()
+            self.memory.spin()
+            self.compare()
+            return
+        assert isinstance(answer, Beat), f"the in-process ledger must queue, Redis answered {answer}"
+        rate = 7.0  # bytes per second, both sides
+        expected = predicted_wait_now(memory, nbytes, priority, tenant, rate)
+        same_rate = dataclasses.replace(answer, released_bytes=rate, busy_seconds=1.0)
+        assert same_rate.retry_after(CAPACITIES, nbytes, memory.max_wait, priority, MAX_BYPASS, tenant) == expected
+        assert self.redis.server.ledger_state(self.redis.namespace)["tickets"] == len(self.memory.tasks)
+
+
+def predicted_wait_now(ledger: Ledger, nbytes: int, priority: int, tenant: str, rate: float) -> float:
+    """``ledger.retry_after(...)`` with its drain rate replaced by ``rate``."""
+    real = ledger.release_rate
+    ledger.release_rate = lambda: rate  # type: ignore[method-assign]
+    try:
+        return ledger.retry_after(nbytes, priority=priority, tenant=tenant)
+    finally:
+        ledger.release_rate = real  # type: ignore[method-assign]
 
 
 LedgerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

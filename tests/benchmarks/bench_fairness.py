@@ -23,17 +23,17 @@ Measured, per ledger, load and fair share on/off:
 
 Deadlines (fair share on, the first max_queue): each client gives up after its own deadline,
 uniform in [``--min-deadline``, ``--max-wait``] s (bench_overload's ``with_deadlines``). Off: every
-request queues until then. On: the middleware's decision (bench_overload's ``deadline_admission``,
-i.e. ``queue_timeout`` with the tenant): refused at once when the predicted wait is longer.
+request queues until then. On: the middleware's path (``try_reserve``, then ``reserve`` with the
+client's ``wait_limit``, the tenant's): refused at once when the predicted wait is longer.
 Goodput: requests (and tokens) served per offered second, both of all served and of those
 finished by the last arrival; the verdict judges the latter, since a run that ends with a longer
 queue goes on serving it after the arrivals stop.
 
 Ledgers: the in-process ``Ledger`` in virtual time (deterministic; the deadline runs summed over
 ``--deadline-seeds`` arrival sequences), and the ``RedisLedger`` (a private redis-server) in real
-time with every duration scaled by ``--time-scale`` (its heartbeat only in the deadline runs, see
-``redis_ledger``; the deadline runs on one sequence, ``--seed``'s, next to the in-process ledger
-on the same one). ``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
+time with every duration scaled by ``--time-scale`` (its heartbeat only in the deadline runs, unless
+``--deadline-heartbeat default``, see ``redis_ledger``; the deadline runs on one sequence,
+``--seed``'s, next to the in-process ledger on the same one). ``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
 1 / ``--time-scale``, so a deadline shorter than that is refused only when the predicted wait
 exceeds the floor. The output ends with a verdict: each of issue 11's bars per ledger, met or not,
 with its figure.
@@ -60,7 +60,6 @@ from gpu_asgi import (
     GPUAdmissionError,
     Ledger,
     QueueTimeout,
-    Reservation,
     TenantPolicy,
     budget_bytes,
 )
@@ -76,7 +75,6 @@ from .bench_overload import (
     Simulation,
     _pct,
     add_up,
-    deadline_admission,
     deadline_drop,
     with_deadlines,
     workload,
@@ -206,9 +204,9 @@ def simulate(
 ) -> dict[str, Any]:
     """The in-process ledger in virtual time (bench_overload's event loop: heap + a spun asyncio loop).
 
-    Each client gives up after ``min(max_wait, its deadline)``; ``deadline_aware`` makes the
-    middleware's decision first (``deadline_admission``): refused at once when the predicted wait
-    is longer than the deadline."""
+    Each client gives up after ``min(max_wait, its deadline)``; ``deadline_aware`` takes the
+    middleware's path (``try_reserve``, then ``reserve`` with the deadline as ``wait_limit``):
+    refused at once when the predicted wait is longer than the deadline."""
     loop = asyncio.new_event_loop()
     sim = Simulation(budget)
     ledger = make_ledger(budget, fair, max_queue, lambda: sim.now)
@@ -234,26 +232,22 @@ def simulate(
     async def admit(a: Arrival) -> None:
         r = a.request
         tenant = a.tenant if fair else DEFAULT_TENANT
-        decision: Reservation | float | None = None
-        if deadline_aware:
+        reservation = ledger.try_reserve(r.estimate, tenant=tenant) if deadline_aware else None
+        if reservation is None:  # queue: the client's own timeout event (``timeout`` below) cancels the wait
+            # What the decision in reserve() sees: the same state, nothing runs in between.
+            predicted = ledger.retry_after(r.estimate, tenant=tenant) if deadline_aware else None
+            tracker.change(a.tenant, waiting=1)
             try:
-                decision = deadline_admission(ledger, r.estimate, r.deadline, tenant)
+                reservation = await ledger.reserve(r.estimate, tenant=tenant, wait_limit=r.deadline if deadline_aware else None)
             except DeadlineUnmeetable as refused:
                 r.outcome, r.predicted = "unmeetable", refused.retry_after  # the prediction that refused it
                 return
-            if not isinstance(decision, Reservation):
-                r.predicted = ledger.retry_after(r.estimate, tenant=tenant)  # what the decision saw
-        if isinstance(decision, Reservation):
-            reservation = decision
-        else:  # queue: the client's own timeout event (``timeout`` below) cancels the wait
-            tracker.change(a.tenant, waiting=1)
-            try:
-                reservation = await ledger.reserve(r.estimate, tenant=tenant)
             except GPUAdmissionError:
                 r.outcome = "rejected"
                 return
             finally:
                 tracker.change(a.tenant, waiting=-1)
+            r.predicted = predicted
         r.admitted = sim.now
         tracker.change(a.tenant, held=r.estimate)
         if sim.allocated + r.actual > REAL_FREE_BYTES:
@@ -293,7 +287,7 @@ async def run_realtime(
     for its (scaled) service time and releases. Times are reported in unscaled seconds.
 
     As ``simulate``: each client waits at most ``min(max_wait, its deadline)``, and
-    ``deadline_aware`` makes the middleware's decision (on the scaled deadline: the ledger's
+    ``deadline_aware`` takes the middleware's path (on the scaled deadline: the ledger's
     predictions are in real seconds)."""
     loop = asyncio.get_running_loop()
     start = loop.time() + 0.2  # room to create the tasks before the first arrival
@@ -304,26 +298,23 @@ async def run_realtime(
     sim = Simulation(budget)  # only for its cost model: allocated, running, duration()
     present = tuple(sorted({a.tenant for a in arrivals}, key=TENANTS.index))
     tracker = Tracker(budget, present, clock, running=lambda: sim.running)
+    predictions = predicted_waits(ledger) if deadline_aware else {}
 
     async def one(a: Arrival) -> None:
         r = a.request
         await asyncio.sleep(max(0.0, start + r.arrival * scale - loop.time()))
         tenant = a.tenant if fair else DEFAULT_TENANT
-        decision: Reservation | float = min(max_wait, r.deadline) * scale
-        if deadline_aware:
-            try:
-                decision = deadline_admission(ledger, r.estimate, r.deadline * scale, tenant)
-            except DeadlineUnmeetable:
-                r.outcome = "unmeetable"
-                return
-            if not isinstance(decision, Reservation):
-                r.predicted = ledger.retry_after(r.estimate, tenant=tenant) / scale
+        timeout, wait_limit = min(max_wait, r.deadline) * scale, r.deadline * scale if deadline_aware else None
+        reservation = ledger.try_reserve(r.estimate, tenant=tenant) if deadline_aware else None
         tracker.change(a.tenant, waiting=1)
         try:
-            reservation = (
-                decision if isinstance(decision, Reservation)
-                else await ledger.reserve(r.estimate, tenant=tenant, timeout=decision)
-            )
+            if reservation is None:
+                reservation = await ledger.reserve(r.estimate, tenant=tenant, timeout=timeout, wait_limit=wait_limit)
+                if deadline_aware:
+                    r.predicted = predictions.pop(asyncio.current_task(), 0.0) / scale
+        except DeadlineUnmeetable:
+            r.outcome = "unmeetable"
+            return
         except QueueTimeout:
             r.outcome = "timeout"
             return
@@ -353,6 +344,33 @@ async def run_realtime(
     await asyncio.gather(*(one(a) for a in arrivals))
     tracker.advance()
     return summarize(arrivals, tracker)
+
+
+def predicted_waits(ledger: BudgetLedger) -> dict[asyncio.Task[Any] | None, float]:
+    """The predicted wait each queued request's deadline decision saw, by the task that awaited
+    ``reserve`` (filled as ``reserve`` decides). The in-process ledger decides on its own state,
+    which ``retry_after`` reads just as well; the Redis ledger on a snapshot its reserve script
+    returns, which only the decision sees, so a spy on that decision reads it."""
+    predictions: dict[asyncio.Task[Any] | None, float] = {}
+    decide = getattr(ledger, "_unmeetable", None)
+    if decide is None:
+        retry_after = ledger.retry_after
+
+        def in_process(nbytes: int, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float:
+            predictions[asyncio.current_task()] = predicted = retry_after(nbytes, priority=priority, tenant=tenant)
+            return predicted
+
+        ledger.retry_after = in_process  # type: ignore[method-assign,assignment]
+        return predictions
+
+    def spy(beat: Any, nbytes: int, priority: int, tenant: str, wait_limit: float | None) -> Any:
+        predictions[asyncio.current_task()] = beat.retry_after(
+            ledger._capacities, nbytes, ledger.max_wait, priority, ledger.max_bypass, tenant  # type: ignore[attr-defined]
+        )
+        return decide(beat, nbytes, priority, tenant, wait_limit)
+
+    ledger._unmeetable = spy  # type: ignore[attr-defined]
+    return predictions
 
 
 def jain(values: Sequence[float]) -> float:
@@ -449,9 +467,10 @@ def redis_ledger(
     """A fresh namespace on the private server.
 
     ``scaled_heartbeat``: the heartbeat, i.e. the age of the snapshot behind ``retry_after`` (the
-    deadline decision), scaled like every other duration. It also bounds the waiters' fallback
-    poll, so every waiter then asks Redis ``1 / scale`` times as often: the fair-share runs, with
-    over a thousand waiters, keep the default (fair share is decided in Redis, not from the snapshot).
+    ``Retry-After`` of a timeout; the deadline decision reads the reserve script's state, never
+    the snapshot), scaled like every other duration. It also bounds the waiters' fallback poll,
+    so every waiter then asks Redis ``1 / scale`` times as often: the fair-share runs, with over a
+    thousand waiters, keep the default (fair share is decided in Redis, not from the snapshot).
     """
     from gpu_asgi.redis_ledger import DEFAULT_LEASE_TTL, RedisLedger  # the redis extra
 
@@ -476,12 +495,13 @@ async def redis_runs(
 
 
 async def redis_deadline_runs(
-    url: str, arrivals: list[Arrival], budget: int, max_queue: Queues, max_wait: float, scale: float
+    url: str, arrivals: list[Arrival], budget: int, max_queue: Queues, max_wait: float, scale: float,
+    scaled_heartbeat: bool = True,
 ) -> dict[bool, dict[str, Any]]:
     """Deadlines off and on (fair share on, heavy tenant present): results by ``deadline_aware``."""
     runs = {}
     for deadline_aware in (False, True):
-        ledger = redis_ledger(url, budget, True, max_queue, max_wait, scale, scaled_heartbeat=True)
+        ledger = redis_ledger(url, budget, True, max_queue, max_wait, scale, scaled_heartbeat=scaled_heartbeat)
         try:
             runs[deadline_aware] = await run_realtime(
                 ledger, fresh(arrivals, True), budget, True, max_wait, scale, deadline_aware
@@ -626,6 +646,8 @@ def main() -> None:
     parser.add_argument("--deadline-loads", default="2.0,4.0", help="loads for the deadline runs (empty: none)")
     parser.add_argument("--min-deadline", type=float, default=2.0, help="shortest client deadline; the longest is --max-wait")
     parser.add_argument("--deadline-seeds", type=int, default=8, help="arrival sequences per in-process deadline run, summed")
+    parser.add_argument("--deadline-heartbeat", choices=("scaled", "default"), default="scaled",
+                        help="the Redis deadline runs' heartbeat: scaled by --time-scale, or the ledger's default")
     args = parser.parse_args()
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
@@ -688,7 +710,8 @@ def main() -> None:
                 results.append({"ledger": "memory", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
                                 "load": load, "max_queue": str(queues[0]), "off": side[False], "on": side[True]})
                 timed = asyncio.run(
-                    redis_deadline_runs(server.url, arrivals, budget, queues[0], args.max_wait, args.time_scale)
+                    redis_deadline_runs(server.url, arrivals, budget, queues[0], args.max_wait, args.time_scale,
+                                        args.deadline_heartbeat == "scaled")
                 )
                 totals = {aware: deadline_totals(f"deadlines-{'on' if aware else 'off'}", [run])
                           for aware, run in timed.items()}

@@ -23,7 +23,7 @@ Policies, on the same arrival sequence:
 - ``gpu_asgi-fifo``: the same ledger with ``max_bypass=0`` (plain FIFO), for short requests' wait;
 - ``deadlines-off`` / ``deadlines-on``: the ledger again, but each client gives up after its own
   deadline (uniform in [``--min-deadline``, ``--max-wait``] s); "on" refuses at once a request
-  whose predicted wait exceeds its deadline (``queue_timeout``, what the middleware calls).
+  whose predicted wait exceeds its deadline (``reserve``'s ``wait_limit``, what the middleware passes).
   These two run on ``--deadline-seeds`` arrival sequences (seeds ``--seed``, ``--seed`` + 1, ...)
   and are compared on the sums: one sequence's outcome swings by several percent with any change
   of decisions (a refusal frees a queue slot that a later request takes, and so on).
@@ -46,17 +46,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_asgi import (
-    DEFAULT_TENANT,
     AnalyticEstimator,
-    BudgetLedger,
     DeadlineUnmeetable,
     Ledger,
     NeverFits,
     QueueFull,
-    Reservation,
     budget_bytes,
 )
-from gpu_asgi._client_deadline import queue_timeout
 
 from ._report import table, write_report
 
@@ -156,16 +152,6 @@ def with_deadlines(template: list[Request], seed: int, low: float, high: float) 
             for r in template]
 
 
-def deadline_admission(ledger: BudgetLedger, nbytes: int, deadline: float, tenant: str = DEFAULT_TENANT) -> Reservation | float:
-    """The middleware's decision for a client that waits at most ``deadline`` seconds
-    (``_middleware._reserve``): a reservation at once if it fits, else the timeout to queue with,
-    or :class:`~gpu_asgi.DeadlineUnmeetable` when the predicted wait is longer."""
-    reservation = ledger.try_reserve(nbytes, tenant=tenant)
-    if reservation is not None:
-        return reservation
-    return queue_timeout(ledger, nbytes, 0, deadline, tenant)
-
-
 def run_policy(policy: str, template: list[Request], budget: int, worst: int, max_queue: int, max_wait: float) -> dict[str, Any]:
     requests = [Request(r.arrival, r.prompt_tokens, r.max_new_tokens, r.new_tokens, r.deadline, r.estimate, r.actual)
                 for r in template]
@@ -216,18 +202,19 @@ def run_policy(policy: str, template: list[Request], budget: int, worst: int, ma
                 waiting[0] -= 1
             start(r, semaphore.release)
             return
-        if policy == "deadlines-on":  # the middleware's path: at once if it fits, else check the deadline
-            try:
-                decision = deadline_admission(ledger, r.estimate, r.deadline)
-            except DeadlineUnmeetable:
-                r.outcome = "unmeetable"
+        wait_limit = None
+        if policy == "deadlines-on":  # the middleware's path: at once if it fits, else the ledger decides
+            reservation = ledger.try_reserve(r.estimate)
+            if reservation is not None:
+                start(r, reservation.release)
                 return
-            if isinstance(decision, Reservation):
-                start(r, decision.release)
-                return
+            wait_limit = r.deadline
         try:
             waiting[0] += 1
-            reservation = await ledger.reserve(r.estimate)
+            reservation = await ledger.reserve(r.estimate, wait_limit=wait_limit)
+        except DeadlineUnmeetable:
+            r.outcome = "unmeetable"
+            return
         except (QueueFull, NeverFits):
             r.outcome = "rejected"
             return
