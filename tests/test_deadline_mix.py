@@ -8,13 +8,17 @@ from gpu_asgi._drain import MIN_RETRY_AFTER
 from tests.benchmarks.bench_deadline_mix import mix, run_pairs
 
 
-def test_a_refused_request_keeps_the_prediction_that_refused_it() -> None:
+def test_a_refused_or_timed_out_request_keeps_its_prediction() -> None:
     (pair,) = run_pairs(2.0, [3], requests=800, min_deadline=2.0, max_wait=30.0)
     refused = [a.request for a in pair.on if a.request.outcome == "unmeetable"]
     assert len(refused) > 50
     for r in refused:
         assert r.predicted is not None and r.predicted > r.deadline and r.predicted > MIN_RETRY_AFTER
     assert all(a.request.predicted is None for a in pair.off)  # deadlines off: nothing predicted
+    # A request that queued and then timed out keeps the prediction it queued on (the table of
+    # what leaves the queue unadmitted reads it).
+    timed_out = [a.request for a in pair.on if a.request.outcome == "timeout"]
+    assert timed_out and all(r.predicted is not None for r in timed_out)
 
 
 def test_the_per_class_table_adds_up_to_the_two_runs() -> None:

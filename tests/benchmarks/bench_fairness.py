@@ -234,8 +234,9 @@ def simulate(
         tenant = a.tenant if fair else DEFAULT_TENANT
         reservation = ledger.try_reserve(r.estimate, tenant=tenant) if deadline_aware else None
         if reservation is None:  # queue: the client's own timeout event (``timeout`` below) cancels the wait
-            # What the decision in reserve() sees: the same state, nothing runs in between.
-            predicted = ledger.retry_after(r.estimate, tenant=tenant) if deadline_aware else None
+            # What the decision in reserve() sees: the same state, nothing runs in between. Kept
+            # for a request that then times out in the queue too (bench_deadline_mix reads it).
+            r.predicted = ledger.retry_after(r.estimate, tenant=tenant) if deadline_aware else None
             tracker.change(a.tenant, waiting=1)
             try:
                 reservation = await ledger.reserve(r.estimate, tenant=tenant, wait_limit=r.deadline if deadline_aware else None)
@@ -247,7 +248,6 @@ def simulate(
                 return
             finally:
                 tracker.change(a.tenant, waiting=-1)
-            r.predicted = predicted
         r.admitted = sim.now
         tracker.change(a.tenant, held=r.estimate)
         if sim.allocated + r.actual > REAL_FREE_BYTES:
