@@ -8,7 +8,8 @@ time, or the same and an earlier arrival) could use the same device counts as pa
 and a head passed ``max_bypass`` times keeps its devices from every head behind it until it fits.
 With one tenant this is plain priority-then-arrival order. The Redis ledger runs the same rule in
 Lua. All state is touched only from the event loop that uses the ledger, so check-and-reserve is
-atomic without locks; releases from other threads are handed to that loop.
+atomic without locks; releases from other threads are handed to that loop. The contract it
+implements (``BudgetLedger``, ``Reservation``, the statistics) is in ``_ledger_contract``.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class LedgerStatistics:
 
 @runtime_checkable
 class BudgetLedger(Protocol):
-    """What the middleware needs from a ledger: the in-process :class:`Ledger` or a shared one.
+    """What the middleware needs from a ledger: the in-process :class:`~gpu_asgi.Ledger` or a shared one.
 
     Implementations hand out :class:`Reservation` objects and receive their bytes back through
     ``_give_back``, called on the event loop exactly once per byte.
