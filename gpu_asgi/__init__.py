@@ -37,7 +37,8 @@ from ._estimate import (
 )
 from ._executor import DeviceExecutor
 from ._health import health_report, health_router
-from ._ledger import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, Ledger, LedgerStatistics, Reservation
+from ._ledger import Ledger
+from ._ledger_contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation
 from ._ledger_url import ledger_from_url
 from ._metrics import GPUMetrics
 from ._middleware import Admission, GPUAdmissionMiddleware

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from starlette.requests import HTTPConnection
 
-from ._ledger import Reservation
+from ._ledger_contract import Reservation
 from ._middleware import ADMISSION_STATE_KEY, Admission
 
 

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
 from ._device_policy import DeviceGuard, ThermalPolicy
-from ._ledger import BudgetLedger
+from ._ledger_contract import BudgetLedger
 from ._metrics import GPUMetrics
 from ._probe import DeviceReading
 from ._sampler import DeviceSampler

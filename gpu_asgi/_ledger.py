@@ -1,4 +1,4 @@
-"""The in-process byte ledger: one VRAM budget per device, reservations, a bounded fair queue.
+"""The in-process byte ledger: one VRAM budget per device, a bounded fair queue, reservations granted from it.
 
 The decision rule (docs/admission.md, "The ledger") in short: waiters queue in lanes, one per
 (tenant, priority, size class, allowed devices), each strictly FIFO; only lane heads are looked
@@ -8,7 +8,8 @@ time, or the same and an earlier arrival) could use the same device counts as pa
 and a head passed ``max_bypass`` times keeps its devices from every head behind it until it fits.
 With one tenant this is plain priority-then-arrival order. The Redis ledger runs the same rule in
 Lua. All state is touched only from the event loop that uses the ledger, so check-and-reserve is
-atomic without locks; releases from other threads are handed to that loop.
+atomic without locks; releases from other threads are handed to that loop. The contract it
+implements (``BudgetLedger``, ``Reservation``, the statistics) is in ``_ledger_contract``.
 """
 
 from __future__ import annotations
@@ -19,160 +20,24 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from ._client_deadline import unmeetable
 from ._drain import DrainRate
 from ._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
 from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare
+from ._ledger_contract import (
+    DEFAULT_DEVICE,
+    DEFAULT_MAX_BYPASS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_WAIT,
+    MAX_TIMEOUT,
+    DeviceStatistics,
+    LedgerStatistics,
+    Reservation,
+    check_priority,
+)
 from ._prediction import predicted_wait, size_class
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
-
-DEFAULT_DEVICE = "cuda:0"
-DEFAULT_MAX_QUEUE = 256
-DEFAULT_MAX_WAIT = 30.0
-DEFAULT_MAX_BYPASS = 8
-#: Priorities are integers in this range in every ledger (the Redis ledger's queue scores need it).
-MIN_PRIORITY = -4095
-MAX_PRIORITY = 4095
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceStatistics:
-    name: str
-    capacity_bytes: int
-    reserved_bytes: int
-    in_flight: int
-
-    @property
-    def free_bytes(self) -> int:
-        return self.capacity_bytes - self.reserved_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class LedgerStatistics:
-    """A snapshot for ``/health`` and metrics."""
-
-    devices: tuple[DeviceStatistics, ...]
-    waiting: int
-    waiting_bytes: int
-    admitted_total: int
-    rejected_total: Mapping[str, int] = field(default_factory=dict)
-    release_rate_bytes_per_second: float = 0.0
-    #: Tenants with bytes held or waiting, and every configured one.
-    tenants: tuple[TenantStatistics, ...] = ()
-
-    @property
-    def in_flight(self) -> int:
-        return sum(device.in_flight for device in self.devices)
-
-    @property
-    def capacity_bytes(self) -> int:
-        return sum(device.capacity_bytes for device in self.devices)
-
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(device.reserved_bytes for device in self.devices)
-
-
-@runtime_checkable
-class BudgetLedger(Protocol):
-    """What the middleware needs from a ledger: the in-process :class:`Ledger` or a shared one.
-
-    Implementations hand out :class:`Reservation` objects and receive their bytes back through
-    ``_give_back``, called on the event loop exactly once per byte.
-    """
-
-    @property
-    def devices(self) -> tuple[str, ...]: ...
-
-    def try_reserve(
-        self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
-    ) -> Reservation | None: ...
-
-    async def reserve(
-        self,
-        nbytes: int,
-        *,
-        devices: Sequence[str] | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
-        tenant: str = DEFAULT_TENANT,
-        wait_limit: float | None = None,
-    ) -> Reservation: ...
-
-    def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float: ...
-
-    def tenant_policy(self, tenant: str) -> TenantPolicy: ...
-
-    def statistics(self) -> LedgerStatistics: ...
-
-    def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None: ...
-
-
-class Reservation:
-    """Bytes held on one device. Release is idempotent; the bytes return exactly once."""
-
-    __slots__ = ("_held", "_ledger", "_released", "device", "id", "requested_bytes", "tenant", "waited")
-
-    def __init__(
-        self, ledger: BudgetLedger, id: str, device: str, nbytes: int, waited: float, tenant: str = DEFAULT_TENANT
-    ) -> None:
-        self.id = id
-        self.device = device
-        self.tenant = tenant
-        self.requested_bytes = nbytes
-        #: Seconds spent in the queue before admission.
-        self.waited = waited
-        self._held = nbytes
-        self._released = False
-        self._ledger = ledger
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held now (less than requested after :meth:`shrink`)."""
-        return self._held
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def shrink(self, nbytes: int) -> int:
-        """Keep only ``nbytes`` (e.g. once outputs are on the host); returns the bytes given back."""
-        if nbytes < 0:
-            raise ValueError("nbytes must be >= 0")
-        returned = max(0, self._held - nbytes)
-        if returned:  # zero once released, since nothing is held then
-            self._held -= returned
-            self._ledger._give_back(self, returned, finished=False)
-        return returned
-
-    def release(self) -> int:
-        """Return every byte still held; later calls return 0."""
-        if self._released:
-            return 0
-        self._released = True
-        returned, self._held = self._held, 0
-        self._ledger._give_back(self, returned, finished=True)
-        return returned
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else f"{self._held} bytes"
-        return f"<Reservation {self.id} on {self.device}: {state}>"
-
-
-def check_priority(priority: int) -> int:
-    """The one priority check both ledgers (and ``gpu_bound``) make: an integer in range."""
-    if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-        raise ValueError(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r}")
-    return priority
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 
 
 class _Device:
@@ -542,10 +407,6 @@ class Ledger:
             release_rate_bytes_per_second=self.release_rate(),
             tenants=self._fair.statistics(self._clock()),
         )
-
-
-#: Timeouts at or above this many seconds (``inf`` included) mean "no timeout".
-MAX_TIMEOUT = 1e9
 
 
 def _placement(waiter: _Waiter, claims: list[_Waiter], vt: Mapping[str, float]) -> _Device | None:

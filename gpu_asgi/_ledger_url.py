@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ._ledger import DEFAULT_MAX_BYPASS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT, BudgetLedger, Ledger
+from ._ledger import Ledger
+from ._ledger_contract import DEFAULT_MAX_BYPASS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT, BudgetLedger
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 

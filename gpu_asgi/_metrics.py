@@ -15,7 +15,7 @@ import os
 from collections.abc import Collection, Iterator
 from typing import Any
 
-from ._ledger import BudgetLedger, LedgerStatistics
+from ._ledger_contract import BudgetLedger, LedgerStatistics
 from ._sampler import DeviceSampler
 from ._telemetry import ADMITTED
 from ._tenancy import DEFAULT_TENANT

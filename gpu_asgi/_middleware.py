@@ -26,7 +26,7 @@ from ._deadlines import Deadlines
 from ._device_policy import CLAMPED_HEADER, DeviceGuard, ThermalPolicy
 from ._errors import DeadlineUnmeetable, DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
 from ._estimate import Estimator, check_estimator
-from ._ledger import BudgetLedger, Reservation
+from ._ledger_contract import BudgetLedger, Reservation
 from ._problems import send_problem
 from ._responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
 from ._sampler import DeviceSampler

@@ -15,7 +15,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import _redis_lua as lua
 from ._drain import MIN_BUSY_SPAN, RATE_WINDOW
 from ._fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing
-from ._ledger import DeviceStatistics, LedgerStatistics
+from ._ledger_contract import DeviceStatistics, LedgerStatistics
 from ._prediction import predicted_wait
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
 

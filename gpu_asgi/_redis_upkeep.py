@@ -30,7 +30,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ._ledger import Reservation
+from ._ledger_contract import Reservation
 from ._redis_scripts import Beat, LedgerScripts, RedisDown, RedisSlow, text
 
 #: Tries for a release or a queue exit that cannot reach Redis; the lease TTL is the backstop.

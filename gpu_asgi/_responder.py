@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from ._ledger import Reservation
+from ._ledger_contract import Reservation
 from ._tagging import RouteSpec, route_spec_of
 from ._types import Message, Receive, Scope, Send
 

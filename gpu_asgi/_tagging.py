@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ._estimate import Estimator, check_estimator
-from ._ledger import check_priority
+from ._ledger_contract import check_priority
 from ._tenants import TenantKey, tenant_keys
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"

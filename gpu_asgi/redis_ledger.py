@@ -33,13 +33,13 @@ from redis.backoff import NoBackoff
 from ._client_deadline import unmeetable
 from ._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
 from ._fair_share import DEFAULT_TENANT_IDLE_TTL, check_quota
-from ._ledger import (
+from ._ledger import Ledger
+from ._ledger_contract import (
     DEFAULT_DEVICE,
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_WAIT,
     MAX_TIMEOUT,
-    Ledger,
     LedgerStatistics,
     Reservation,
     check_priority,
