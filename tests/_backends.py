@@ -124,3 +124,20 @@ async def open_ledgers(
 def start(ledger: BudgetLedger, nbytes: int, **options: Any) -> asyncio.Task[Reservation]:
     """``ledger.reserve(nbytes, ...)`` as a task of its own."""
     return asyncio.ensure_future(ledger.reserve(nbytes, **options))
+
+
+async def heavy_backlog(
+    backend: Backend, ledger: BudgetLedger, *, then: float = 2
+) -> tuple[Reservation, list[asyncio.Task[Reservation]]]:
+    """A drain rate of 10 bytes per busy second, the whole budget (100) held by "heavy", and
+    four "heavy" waiters of 20 bytes queued behind it, ``then`` seconds later: the holder and the
+    waiters."""
+    for _ in range(5):
+        reservation = await ledger.reserve(100, tenant="heavy")
+        backend.clock.advance(10)
+        reservation.release()
+    holder = await ledger.reserve(100, tenant="heavy")
+    heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
+    await backend.queued(ledger, 4)
+    backend.clock.advance(then)
+    return holder, heavy

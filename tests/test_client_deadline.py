@@ -29,7 +29,7 @@ from gpu_asgi import (
 
 from . import _redis
 from ._asgi import client, wait_until
-from ._backends import BACKENDS, Backend, Clock, open_backend, start
+from ._backends import BACKENDS, Backend, Clock, heavy_backlog, open_backend, start
 from ._redis import REDIS_SERVER, RedisServer
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
@@ -310,13 +310,7 @@ async def test_a_request_that_must_queue_is_decided_on_the_state_of_that_moment(
     a limit of 5 s, without joining the queue; a light one, ordered before the heavy backlog, is
     predicted 20 / 10 = 2 s and queues. Both ledgers predict the same."""
     ledger = backend.make(100, max_wait=1000)
-    for _ in range(5):
-        reservation = await ledger.reserve(100, tenant="heavy")
-        backend.clock.advance(10)
-        reservation.release()
-    holder = await ledger.reserve(100, tenant="heavy")
-    heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
-    await backend.queued(ledger, 4)
+    holder, heavy = await heavy_backlog(backend, ledger, then=0)
     refresh = getattr(ledger, "refresh_statistics", None)
     stats = await refresh() if refresh is not None else ledger.statistics()
     rate = stats.release_rate_bytes_per_second

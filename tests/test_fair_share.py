@@ -22,7 +22,7 @@ from gpu_asgi._prediction import predicted_wait
 
 from . import _redis
 from ._asgi import settle
-from ._backends import BACKENDS, Backend, Clock, open_backend, open_ledgers, start
+from ._backends import BACKENDS, Backend, Clock, heavy_backlog, open_backend, open_ledgers, start
 from ._redis import RedisServer, eventually, requires_redis_server
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
@@ -285,20 +285,6 @@ async def test_quotas_are_never_exceeded_and_a_request_over_its_quota_is_refused
             break
         await asyncio.sleep(0.05)
     assert await rejected() == expected
-
-
-async def heavy_backlog(backend: Backend, ledger: BudgetLedger) -> tuple[Reservation, list[asyncio.Task[Reservation]]]:
-    """A drain rate of 10 bytes per busy second, the whole budget (100) held by "heavy", and
-    four "heavy" waiters of 20 bytes queued behind it, 2 s later: the holder and the waiters."""
-    for _ in range(5):
-        reservation = await ledger.reserve(100, tenant="heavy")
-        backend.clock.advance(10)
-        reservation.release()
-    holder = await ledger.reserve(100, tenant="heavy")
-    heavy = [start(ledger, 20, tenant="heavy") for _ in range(4)]
-    await backend.queued(ledger, 4)
-    backend.clock.advance(2)
-    return holder, heavy
 
 
 async def test_retry_after_counts_only_the_waiters_ordered_before_the_tenant(backend: Backend) -> None:
