@@ -39,7 +39,8 @@ time with every duration scaled by ``--time-scale`` (its heartbeat only in the d
 in-process ledger on the first sequence alone is printed next to them, as earlier editions showed
 it, and, when the Redis sequences are not the in-process ones, the in-process ledger summed over
 the Redis ones. In real time one sequence costs about 1 minute at the two default loads (an
-off+on pair at 4x is 15-30 s, at 2x about twice that), so the default 8 add about 7 minutes (12 min for the whole command on a quiet machine).
+off+on pair at 4x is 15-30 s, at 2x about twice that), so the default 8 add about 7 minutes (the
+whole command: 12 min on a quiet machine).
 ``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
 1 / ``--time-scale``, so a deadline shorter than that is refused only when the predicted wait
 exceeds the floor. The output ends with a verdict: each of issue 11's bars per ledger, met or not,
