@@ -5,9 +5,15 @@ admission, fewer requests time out in the queue."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpu_asgi import AnalyticEstimator, budget_bytes
+from tests._redis import requires_redis_server
 from tests.benchmarks.bench_fairness import (
     HEAVY,
     LIGHTS,
@@ -15,6 +21,7 @@ from tests.benchmarks.bench_fairness import (
     clients,
     fresh,
     jain,
+    main,
     simulate,
     tenant_workload,
     verdict,
@@ -103,3 +110,26 @@ def test_verdict_judges_each_bar_by_its_threshold() -> None:
     assert [cell.split(":")[0] for cell in rows["0 OOM (every run above)"]] == ["met", "NOT met"]
     deadline_cells = rows["timeouts >= 80% fewer with deadlines on, equal or better goodput (served by the last arrival)"]
     assert deadline_cells[0].startswith("met: 85.0% fewer") and deadline_cells[1].startswith("NOT met: 85.0% fewer")
+
+
+@requires_redis_server
+def test_the_redis_deadline_runs_cover_the_in_process_ones_arrival_sequences(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The benchmark's command, tiny: by default the Redis ledger's deadline runs are summed over
+    the same arrival sequences as the in-process ones (``--deadline-seeds``), so the verdict
+    compares the two ledgers on the same sums, not Redis on the first sequence alone."""
+    monkeypatch.chdir(tmp_path)  # the report goes to ./reports
+    monkeypatch.setattr(sys, "argv", ["bench_fairness", "--requests", "80", "--redis-requests", "80", "--loads", "",
+                                      "--redis-loads", "", "--deadline-loads", "4.0", "--deadline-seeds", "2",
+                                      "--max-queues", "4096"])
+    main()
+    report = json.loads((tmp_path / "reports" / "fairness.json").read_text())
+    entries = [entry for entry in report["results"] if entry.get("deadlines")]
+    summed = {entry["ledger"]: entry for entry in entries if len(entry["seeds"]) > 1}
+    assert summed["memory"]["seeds"] == summed["redis"]["seeds"] == [7, 8]
+    for run in ("off", "on"):
+        assert len(summed["redis"][run]["per_seed"]) == 2
+        counted = sum(summed["redis"][run][k] for k in ("ok", "rejected", "unmeetable", "timeout", "oom"))
+        assert counted == 2 * 80  # every request of both sequences, each counted once
+    assert any(entry["seeds"] == [7] and entry["ledger"] == "memory" for entry in entries)  # seed 7's twin rows

@@ -3,6 +3,7 @@
     python -m tests.benchmarks.bench_fairness [--requests 4000] [--loads 2.0,4.0] [--seed 7]
                                               [--redis-requests 4000] [--time-scale 0.1]
                                               [--deadline-loads 2.0,4.0] [--deadline-seeds 8]
+                                              [--redis-deadline-seeds N (default: --deadline-seeds)]
 
 The device, model, cost model and request sizes are the overload benchmark's (``bench_overload``:
 ``Simulation``, ``Request``, ``workload``). Each request is drawn for the heavy tenant with
@@ -32,8 +33,15 @@ queue goes on serving it after the arrivals stop.
 Ledgers: the in-process ``Ledger`` in virtual time (deterministic; the deadline runs summed over
 ``--deadline-seeds`` arrival sequences), and the ``RedisLedger`` (a private redis-server) in real
 time with every duration scaled by ``--time-scale`` (its heartbeat only in the deadline runs, unless
-``--deadline-heartbeat default``, see ``redis_ledger``; the deadline runs on one sequence,
-``--seed``'s, next to the in-process ledger on the same one). ``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
+``--deadline-heartbeat default``, see ``redis_ledger``). Its deadline runs are summed over
+``--redis-deadline-seeds`` arrival sequences, by default the in-process deadline runs' own (seeds
+``--seed`` onward), so the verdict judges each ledger on its sum over the same sequences; the
+in-process ledger on the first sequence alone is printed next to them, as earlier editions showed
+it, and, when the Redis sequences are not the in-process ones, the in-process ledger summed over
+the Redis ones. In real time one sequence costs about 1 minute at the two default loads (an
+off+on pair at 4x is 15-30 s, at 2x about twice that), so the default 8 add about 7 minutes (the
+whole command: 12 min on a quiet machine).
+``Retry-After``'s 1 s floor is not scaled: in simulated seconds it is
 1 / ``--time-scale``, so a deadline shorter than that is refused only when the predicted wait
 exceeds the floor. The output ends with a verdict: each of issue 11's bars per ledger, met or not,
 with its figure.
@@ -646,9 +654,14 @@ def main() -> None:
     parser.add_argument("--deadline-loads", default="2.0,4.0", help="loads for the deadline runs (empty: none)")
     parser.add_argument("--min-deadline", type=float, default=2.0, help="shortest client deadline; the longest is --max-wait")
     parser.add_argument("--deadline-seeds", type=int, default=8, help="arrival sequences per in-process deadline run, summed")
+    parser.add_argument("--redis-deadline-seeds", type=int, default=None,
+                        help="arrival sequences per RedisLedger deadline run, summed (default: --deadline-seeds, "
+                             "the in-process runs' sequences; about 1 min of real time per sequence at the two loads)")
     parser.add_argument("--deadline-heartbeat", choices=("scaled", "default"), default="scaled",
                         help="the Redis deadline runs' heartbeat: scaled by --time-scale, or the ledger's default")
     args = parser.parse_args()
+    if args.redis_deadline_seeds is None:
+        args.redis_deadline_seeds = args.deadline_seeds
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
     rows: list[list[Any]] = []
@@ -701,24 +714,36 @@ def main() -> None:
                     rows.append(row(redis, load, queues[0], fair, runs[fair, True], runs[fair, False]))
                     results.append({"ledger": "redis", "requests": len(arrivals), "load": load, "max_queue": str(queues[0]),
                                     "fair": fair, "present": runs[fair, True], "absent": runs[fair, False]})
+            redis_seeds = range(args.seed, args.seed + args.redis_deadline_seeds)
             for load in floats(args.deadline_loads):
-                arrivals = clients(args.redis_requests, args.seed, estimator, load, budget, args.min_deadline,
-                                   args.max_wait)
-                sequences = f"seed {args.seed}, {len(arrivals)}"
-                side = run_deadlines([arrivals], budget, queues[0], args.max_wait)  # the very same requests
-                deadline_rows += [deadline_row(memory, load, sequences, t) for t in side.values()]
-                results.append({"ledger": "memory", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
-                                "load": load, "max_queue": str(queues[0]), "off": side[False], "on": side[True]})
-                timed = asyncio.run(
-                    redis_deadline_runs(server.url, arrivals, budget, queues[0], args.max_wait, args.time_scale,
-                                        args.deadline_heartbeat == "scaled")
-                )
-                totals = {aware: deadline_totals(f"deadlines-{'on' if aware else 'off'}", [run])
-                          for aware, run in timed.items()}
+                sets = [clients(args.redis_requests, s, estimator, load, budget, args.min_deadline, args.max_wait)
+                        for s in redis_seeds]
+                # The in-process ledger on the first sequence, as earlier editions showed it next to Redis.
+                first = f"seed {args.seed}, {args.redis_requests}"
+                side = run_deadlines(sets[:1], budget, queues[0], args.max_wait)
+                deadline_rows += [deadline_row(memory, load, first, t) for t in side.values()]
+                results.append({"ledger": "memory", "deadlines": True, "requests": args.redis_requests,
+                                "seeds": [args.seed], "load": load, "max_queue": str(queues[0]),
+                                "off": side[False], "on": side[True]})
+                sequences = (f"seeds {redis_seeds.start}-{redis_seeds.stop - 1}, {args.redis_requests} each"
+                             if len(redis_seeds) > 1 else first)
+                if (args.redis_requests, redis_seeds) != (args.requests, seeds) and len(redis_seeds) > 1:
+                    # the in-process ledger summed over the very same sequences as Redis below
+                    twin = run_deadlines(sets, budget, queues[0], args.max_wait)
+                    deadline_rows += [deadline_row(memory, load, sequences, t) for t in twin.values()]
+                    results.append({"ledger": "memory", "deadlines": True, "requests": args.redis_requests,
+                                    "seeds": list(redis_seeds), "load": load, "max_queue": str(queues[0]),
+                                    "off": twin[False], "on": twin[True]})
+                timed = [asyncio.run(redis_deadline_runs(server.url, arrivals, budget, queues[0], args.max_wait,
+                                                         args.time_scale, args.deadline_heartbeat == "scaled"))
+                         for arrivals in sets]
+                totals = {aware: deadline_totals(f"deadlines-{'on' if aware else 'off'}", [run[aware] for run in timed])
+                          for aware in (False, True)}
                 deadlines[redis, load] = totals
                 deadline_rows += [deadline_row(redis, load, sequences, t) for t in totals.values()]
-                results.append({"ledger": "redis", "deadlines": True, "requests": len(arrivals), "seeds": [args.seed],
-                                "load": load, "max_queue": str(queues[0]), "off": totals[False], "on": totals[True]})
+                results.append({"ledger": "redis", "deadlines": True, "requests": args.redis_requests,
+                                "seeds": list(redis_seeds), "load": load, "max_queue": str(queues[0]),
+                                "off": totals[False], "on": totals[True]})
         finally:
             server.stop()
     print(f"budget {budget / (1 << 30):.2f} GiB; heavy tenant {HEAVY_FACTOR}x each of {len(LIGHTS)} light tenants")
