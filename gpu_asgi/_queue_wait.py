@@ -42,18 +42,19 @@ async def reserve(
     """
     outcome, reason, device, depth, started = otel.CANCELLED, None, None, 0, 0.0
     pending: asyncio.Future[Message] | None = None
-    ledger = middleware.ledger
     try:
         devices = spec.devices if middleware.device_guard is None else trusted_devices(middleware, spec, nbytes, tenant)
-        reservation = ledger.try_reserve(nbytes, devices=devices, tenant=tenant)
+        reservation = middleware.ledger.try_reserve(nbytes, devices=devices, tenant=tenant)
         if reservation is None:
             # The deadline decision is the ledger's, at the moment it finds the request must queue.
             timeout = None if wait_limit is None else min(wait_limit, middleware._wait_cap)
             # Requests whose reserve() task has not run yet are not in the ledger's count: ours covers them.
-            depth = max(ledger.statistics().waiting, middleware._queued)
+            depth = max(middleware.ledger.statistics().waiting, middleware._queued)
             middleware._queued += 1
             started = time.perf_counter()
-            reservation, pending = await wait(ledger, nbytes, devices, spec.priority, receive, timeout, tenant, wait_limit)
+            reservation, pending = await wait(
+                middleware.ledger, nbytes, devices, spec.priority, receive, timeout, tenant, wait_limit
+            )
             if reservation is None:
                 outcome = otel.DISCONNECTED
                 return None, None
