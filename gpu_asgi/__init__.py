@@ -4,6 +4,7 @@ Everything public is importable from here; the modules behind it are private.
 """
 
 from ._admission import Admission
+from ._analytic import AnalyticEstimator
 from ._calibration import CalibratedEstimator, PeakCalibration
 from ._dependencies import gpu_admission, gpu_reservation
 from ._device_policy import DeviceGuard, ThermalPolicy
@@ -28,7 +29,6 @@ from ._errors import (
     UnsupportedMediaType,
 )
 from ._estimate import (
-    AnalyticEstimator,
     Estimator,
     LinearEstimator,
     budget_bytes,
