@@ -3,6 +3,8 @@
 Everything public is importable from here; the modules behind it are private.
 """
 
+from ._admission import Admission
+from ._analytic import AnalyticEstimator
 from ._calibration import CalibratedEstimator, PeakCalibration
 from ._dependencies import gpu_admission, gpu_reservation
 from ._device_policy import DeviceGuard, ThermalPolicy
@@ -27,7 +29,6 @@ from ._errors import (
     UnsupportedMediaType,
 )
 from ._estimate import (
-    AnalyticEstimator,
     Estimator,
     LinearEstimator,
     budget_bytes,
@@ -41,7 +42,7 @@ from ._ledger import Ledger
 from ._ledger_contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation
 from ._ledger_url import ledger_from_url
 from ._metrics import GPUMetrics
-from ._middleware import Admission, GPUAdmissionMiddleware
+from ._middleware import GPUAdmissionMiddleware
 from ._otel_config import configure_tracing
 from ._probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe
 from ._sampler import DeviceSampler, DeviceSnapshot

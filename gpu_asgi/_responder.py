@@ -18,7 +18,8 @@ from ._tagging import RouteSpec, route_spec_of
 from ._types import Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from ._middleware import GPUAdmissionMiddleware, Granted
+    from ._admission import Granted
+    from ._middleware import GPUAdmissionMiddleware
 
 #: Scope key set when a GPUAdmissionMiddleware takes a tagged request on: as it starts admitting
 #: (before it reads the body) or answers it itself. Another (nested) middleware's responder sees it

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -12,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator, gpu_bound
+import gpu_asgi
+from gpu_asgi import DEFAULT_TENANT, GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation, gpu_bound
 from gpu_asgi._types import Message
 
 from ._asgi import http_scope
@@ -80,6 +83,35 @@ async def test_a_tagged_route_still_gets_its_body_replayed_after_admission() -> 
     await app_with(server)(http_scope("/generate"), server.receive, server.send)
     assert response_of(server) == (200, {"body": len(body)})
     assert len(server.issued) == 1  # admission read the body once; the endpoint got the same bytes
+
+
+async def test_a_tagged_read_reaches_the_ledger_through_admit_and_reserve_alone() -> None:
+    """The admission pipeline is split over modules, not over calls: between the endpoint's first
+    body read and the ledger, gpu_asgi runs exactly three frames (no delegating wrapper)."""
+    package = str(Path(gpu_asgi.__file__).parent)
+    chains: list[list[str]] = []
+
+    class StackLedger(Ledger):
+        def try_reserve(
+            self, nbytes: int, *, devices: tuple[str, ...] | None = None, tenant: str = DEFAULT_TENANT
+        ) -> Reservation | None:
+            chain, frame = [], sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith(package):
+                chain.append(frame.f_code.co_qualname)
+                frame = frame.f_back
+            chains.append(chain)
+            return super().try_reserve(nbytes, devices=devices, tenant=tenant)
+
+    @gpu_bound()
+    async def tagged(request: Request) -> JSONResponse:
+        return JSONResponse({"body": len(await request.body())})
+
+    app = Starlette(routes=[Route("/generate", tagged, methods=["POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=StackLedger(1 << 30), estimator=LinearEstimator(bytes_per_token=1))
+    server = Server(json.dumps({"prompt": "hello there", "max_new_tokens": 4}).encode())
+    await app(http_scope("/generate"), server.receive, server.send)
+    assert response_of(server)[0] == 200
+    assert chains == [["reserve", "admit", "Responder._admit_and_replay"]]
 
 
 async def test_the_admission_steps_benchmark_runs_on_this_code() -> None:

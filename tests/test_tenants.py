@@ -392,12 +392,12 @@ async def test_the_gauges_read_the_ledgers_own_tenant_statistics() -> None:
 
 
 async def test_without_a_tenant_key_no_tenant_is_looked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu_asgi import _middleware
+    from gpu_asgi import _admission
 
     def never(*args: Any) -> str:
         raise AssertionError("tenants are off: nothing should be read")
 
-    monkeypatch.setattr(_middleware, "find_tenant", never)
+    monkeypatch.setattr(_admission, "find_tenant", never)
     ledger = RecordingLedger(1000, tenants={"gold": TenantPolicy()})
     assert await tenant_of(make_app(ledger), headers={"x-tenant-id": "gold"}) == DEFAULT_TENANT
     assert ledger.calls == [("try_reserve", DEFAULT_TENANT)]
