@@ -107,7 +107,27 @@ def test_fair_share_divides_byte_seconds_by_weight_while_all_are_backlogged() ->
         assert result["all_backlogged_s"] > 10  # enough backlogged time to measure shares over
     # issue 11's bar: shares within 10% of the weights (0.2 each), Jain's index >= 0.95
     assert on["jain"] >= 0.95 and all(abs(on["shares"][t] - 0.2) <= 0.02 for t in (HEAVY, *LIGHTS))
+    # The split adds up to the bar's measure; at 4x most of it is granted inside the windows.
+    for t in TENANTS:
+        assert on["inherited_shares"][t] + on["inside_shares"][t] == pytest.approx(on["shares"][t])
+    assert sum(on["inherited_shares"].values()) < 0.5 and on["heavy_floor"] <= on["inherited_shares"][HEAVY]
+    assert on["granted_jain"] >= 0.95
     assert off["jain"] < 0.6 and off["shares"][HEAVY] > 0.5
+
+
+def test_at_2x_the_backlogged_shares_are_those_held_before_the_windows_opened() -> None:
+    """docs/benchmarks.md, "Why the shares miss at 2x": the windows in which all five wait are
+    short, nearly all their byte-seconds were granted before they opened, the heavy tenant's part
+    of that alone is over the bar's 0.22, and inside them the rule grants the light tenants
+    (lower virtual time) nearly everything."""
+    estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
+    budget = budget_bytes(DEVICE_BYTES, utilization=0.9, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
+    arrivals = tenant_workload(4000, seed=7, estimator=estimator, load=2.0, budget=budget)
+    on = simulate(fresh(arrivals, True), budget, True, max_queue=Queues(4096), max_wait=30.0)
+    assert on["shares"][HEAVY] > 0.22  # the bar missed, as in the benchmark's table
+    assert sum(on["inherited_shares"].values()) > 0.95
+    assert on["heavy_floor"] > 0.22
+    assert on["granted_shares"][HEAVY] < 0.05
 
 
 def test_a_per_tenant_queue_bound_keeps_the_heavy_tenant_from_filling_the_shared_queue() -> None:
