@@ -20,7 +20,11 @@ Measured, per ledger, load and fair share on/off:
 - budget use while anyone waits: reserved / budget, time-weighted over the time the queue is non-empty;
 - OOM: a request whose real allocation exceeds the device's free memory (as in bench_overload);
 - while all five tenants have a request waiting: each tenant's share of the reserved bytes x
-  seconds against its weight's share (0.2 each), and Jain's fairness index over share / weight.
+  seconds against its weight's share (0.2 each), and Jain's fairness index over share / weight
+  (the verdict's measure). Beside it, fair share on (``_backlog``): those byte-seconds' part
+  granted before each window opened, the heavy tenant's floor (its part of that over capacity x
+  the windows' length: its share whatever is granted inside them), and the shares of the work
+  (bytes x whole time held) granted while all five waited: the rule's own choices.
 
 Deadlines (fair share on, the first max_queue): each client gives up after its own deadline,
 uniform in [``--min-deadline``, ``--max-wait``] s (bench_overload's ``with_deadlines``). Off: every
@@ -57,7 +61,7 @@ import random
 import statistics
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpu_asgi import (
@@ -72,6 +76,7 @@ from gpu_asgi import (
     budget_bytes,
 )
 
+from ._backlog import Grant, Tracker
 from ._report import table, write_report
 from .bench_overload import (
     DEVICE_BYTES,
@@ -138,50 +143,6 @@ def fresh(arrivals: Sequence[Arrival], heavy: bool) -> list[Arrival]:
     ]
 
 
-@dataclass
-class Tracker:
-    """Time integrals of what the ledger holds, per tenant, kept from grants and releases."""
-
-    capacity: int
-    tenants: tuple[str, ...]
-    clock: Callable[[], float]
-    held: dict[str, int] = field(default_factory=dict)
-    waiting: dict[str, int] = field(default_factory=dict)
-    last: float = 0.0
-    busy_area: float = 0.0  # integral of reserved / capacity while anyone waits
-    busy_time: float = 0.0
-    backlog_time: float = 0.0  # time during which every tenant has a request waiting
-    backlog_byte_seconds: dict[str, float] = field(default_factory=dict)
-    oom: int = 0
-    running: Callable[[], int] = lambda: 0  # sequences on the simulated device now
-    running_area: float = 0.0  # integral of that while anyone waits
-
-    def __post_init__(self) -> None:
-        for tenant in self.tenants:
-            self.held[tenant] = self.waiting[tenant] = 0
-            self.backlog_byte_seconds[tenant] = 0.0
-        self.last = self.clock()
-
-    def advance(self) -> None:
-        now = self.clock()
-        span = now - self.last
-        if span > 0:
-            if any(self.waiting.values()):
-                self.busy_area += span * sum(self.held.values()) / self.capacity
-                self.running_area += span * self.running()
-                self.busy_time += span
-            if all(self.waiting.values()):
-                self.backlog_time += span
-                for tenant, nbytes in self.held.items():
-                    self.backlog_byte_seconds[tenant] += span * nbytes
-        self.last = now
-
-    def change(self, tenant: str, *, waiting: int = 0, held: int = 0) -> None:
-        self.advance()
-        self.waiting[tenant] += waiting
-        self.held[tenant] += held
-
-
 @dataclass(frozen=True)
 class Queues:
     """The ledger's ``max_queue`` and, with fair share on, each tenant's own bound (``TenantPolicy.max_queue``)."""
@@ -228,12 +189,12 @@ def simulate(
                 await asyncio.sleep(0)
         loop.run_until_complete(idle())
 
-    def finish(a: Arrival, release: Callable[[], object]) -> None:
+    def finish(a: Arrival, granted: Grant, release: Callable[[], object]) -> None:
         r = a.request
         sim.allocated -= r.actual
         sim.running -= 1
         r.finished, r.outcome = sim.now, "ok"
-        tracker.change(a.tenant, held=-r.estimate)
+        tracker.release(granted)
         release()
         spin()
 
@@ -245,27 +206,30 @@ def simulate(
             # What the decision in reserve() sees: the same state, nothing runs in between. Kept
             # for a request that then times out in the queue too (bench_deadline_mix reads it).
             r.predicted = ledger.retry_after(r.estimate, tenant=tenant) if deadline_aware else None
-            tracker.change(a.tenant, waiting=1)
+            tracker.wait(a.tenant, 1)
             try:
                 reservation = await ledger.reserve(r.estimate, tenant=tenant, wait_limit=r.deadline if deadline_aware else None)
-            except DeadlineUnmeetable as refused:
-                r.outcome, r.predicted = "unmeetable", refused.retry_after  # the prediction that refused it
+            except BaseException as error:
+                tracker.wait(a.tenant, -1)
+                if isinstance(error, DeadlineUnmeetable):
+                    r.outcome, r.predicted = "unmeetable", error.retry_after  # the prediction that refused it
+                elif isinstance(error, GPUAdmissionError):
+                    r.outcome = "rejected"
+                else:
+                    raise  # the client gave up (``timeout`` cancels the task)
                 return
-            except GPUAdmissionError:
-                r.outcome = "rejected"
-                return
-            finally:
-                tracker.change(a.tenant, waiting=-1)
+            granted = tracker.grant(a.tenant, r.estimate)
+        else:
+            granted = tracker.grant(a.tenant, r.estimate, waited=False)
         r.admitted = sim.now
-        tracker.change(a.tenant, held=r.estimate)
         if sim.allocated + r.actual > REAL_FREE_BYTES:
             r.outcome, tracker.oom = "oom", tracker.oom + 1
-            tracker.change(a.tenant, held=-r.estimate)
+            tracker.release(granted)
             reservation.release()
             return
         sim.allocated += r.actual
         sim.running += 1
-        sim.at(sim.now + sim.duration(r), lambda: finish(a, reservation.release))
+        sim.at(sim.now + sim.duration(r), lambda: finish(a, granted, reservation.release))
 
     def arrive(index: int, a: Arrival) -> None:
         tasks[index] = loop.create_task(admit(a))
@@ -314,25 +278,25 @@ async def run_realtime(
         tenant = a.tenant if fair else DEFAULT_TENANT
         timeout, wait_limit = min(max_wait, r.deadline) * scale, r.deadline * scale if deadline_aware else None
         reservation = ledger.try_reserve(r.estimate, tenant=tenant) if deadline_aware else None
-        tracker.change(a.tenant, waiting=1)
+        tracker.wait(a.tenant, 1)
         try:
             if reservation is None:
                 reservation = await ledger.reserve(r.estimate, tenant=tenant, timeout=timeout, wait_limit=wait_limit)
                 if deadline_aware:
                     r.predicted = predictions.pop(asyncio.current_task(), 0.0) / scale
-        except DeadlineUnmeetable:
-            r.outcome = "unmeetable"
+        except BaseException as error:
+            tracker.wait(a.tenant, -1)
+            if isinstance(error, DeadlineUnmeetable):
+                r.outcome = "unmeetable"
+            elif isinstance(error, QueueTimeout):
+                r.outcome = "timeout"
+            elif isinstance(error, GPUAdmissionError):
+                r.outcome = "rejected"
+            else:
+                raise
             return
-        except QueueTimeout:
-            r.outcome = "timeout"
-            return
-        except GPUAdmissionError:
-            r.outcome = "rejected"
-            return
-        finally:
-            tracker.change(a.tenant, waiting=-1)
+        granted = tracker.grant(a.tenant, r.estimate)
         r.admitted = clock()
-        tracker.change(a.tenant, held=r.estimate)
         try:
             if sim.allocated + r.actual > REAL_FREE_BYTES:
                 r.outcome, tracker.oom = "oom", tracker.oom + 1
@@ -346,7 +310,7 @@ async def run_realtime(
                 sim.running -= 1
             r.finished, r.outcome = clock(), "ok"
         finally:
-            tracker.change(a.tenant, held=-r.estimate)
+            tracker.release(granted)
             reservation.release()
 
     await asyncio.gather(*(one(a) for a in arrivals))
@@ -434,7 +398,29 @@ def summarize(arrivals: list[Arrival], tracker: Tracker) -> dict[str, Any]:
         weight = 1 / len(TENANTS)  # equal weights
         result["shares"] = shares
         result["jain"] = jain([s / weight for s in shares.values()])
+        result.update(backlog_split(tracker))
     return result
+
+
+def backlog_split(tracker: Tracker) -> dict[str, Any]:
+    """The bar's byte-seconds split by when they were granted (``_backlog``), as shares of the
+    windows' total, the shares of the work granted inside the windows, and the floor under the
+    heavy tenant's share that no choice made inside the windows can lower."""
+    total = sum(tracker.backlog_byte_seconds.values())
+    granted = sum(tracker.granted_work.values())
+    weight = 1 / len(TENANTS)
+    split: dict[str, Any] = {
+        "windows": sum(closed is None or closed > opened for opened, closed in tracker.windows),
+        "inherited_shares": {t: tracker.inherited_byte_seconds[t] / total for t in TENANTS},
+        "inside_shares": {t: tracker.inside_byte_seconds[t] / total for t in TENANTS},
+        # Held before a window opened, the heavy tenant's bytes count in it whatever is granted
+        # there; the windows can hold at most capacity x their length.
+        "heavy_floor": tracker.inherited_byte_seconds[HEAVY] / (tracker.capacity * tracker.backlog_time),
+    }
+    if granted > 0:
+        split["granted_shares"] = shares = {t: tracker.granted_work[t] / granted for t in TENANTS}
+        split["granted_jain"] = jain([s / weight for s in shares.values()])
+    return split
 
 
 def ratio(present: float, absent: float) -> float:
@@ -466,6 +452,26 @@ HEADER = [
     "ledger", "load", "offered / served req/s", "max_queue", "fair share", "light p99 wait s (heavy present)", "light p99 wait s (heavy absent)",
     "ratio (bar <= 1.5)", "lights not admitted", "budget use while waiting (bar >= 90%)", "OOM",
     "all backlogged s", "byte-s shares heavy / lights (weights 0.2 each)", "Jain (bar >= 0.95)",
+]
+
+
+def split_row(ledger: str, load: float, max_queue: Queues, result: dict[str, Any]) -> list[Any]:
+    """Where a fair-share run's backlogged byte-seconds come from (``backlog_split``)."""
+    def tenants(shares: dict[str, float]) -> str:
+        return f"{shares[HEAVY]:.3f} / " + " ".join(f"{shares[t]:.3f}" for t in LIGHTS)
+
+    granted = result.get("granted_shares")
+    return [
+        ledger, f"{load:g}x", str(max_queue), result["all_backlogged_s"], result["windows"], tenants(result["shares"]),
+        result["jain"], tenants(result["inherited_shares"]), result["heavy_floor"],
+        "-" if granted is None else tenants(granted), result.get("granted_jain", float("nan")),
+    ]
+
+
+SPLIT_HEADER = [
+    "ledger", "load", "max_queue", "all backlogged s", "windows", "the bar's byte-s shares heavy / lights",
+    "Jain (the bar's)", "of which granted before the window opened", "heavy floor: its inherited byte-s / capacity x time",
+    "work granted in the windows: shares heavy / lights", "its Jain",
 ]
 
 
@@ -601,7 +607,10 @@ def verdict(fairness: dict[tuple[str, float], dict[tuple[bool, bool], dict[str, 
             return "not measured: never all five backlogged"
         worst = max(result["shares"].values(), key=lambda s: abs(s / weight - 1))
         off = worst / weight - 1
-        return check(off, abs(off) <= 0.1, f"worst share {worst:.3f} ({{:+.1%}}) over {result['all_backlogged_s']:.1f} s backlogged")
+        text = f"worst share {worst:.3f} ({{:+.1%}}) over {result['all_backlogged_s']:.1f} s backlogged"
+        if "heavy_floor" in result:  # the heavy tenant's share no choice made inside the windows can lower
+            text += f"; heavy floor {result['heavy_floor']:.3f} (granted before the windows opened)"
+        return check(off, abs(off) <= 0.1, text)
 
     def jain_index(runs: dict[tuple[bool, bool], dict[str, Any]]) -> str:
         value = runs[True, True].get("jain")
@@ -665,6 +674,7 @@ def main() -> None:
     estimator = AnalyticEstimator.from_config(QWEN2_1_5B)
     budget = budget_bytes(DEVICE_BYTES, utilization=0.90, weights_bytes=WEIGHTS_BYTES, runtime_overhead_bytes=RUNTIME_OVERHEAD)
     rows: list[list[Any]] = []
+    split_rows: list[list[Any]] = []  # fair share on, all five backlogged at some time
     results: list[dict[str, Any]] = []
     queues = [Queues.parse(x) for x in args.max_queues.split(",")]
     memory, redis = "Ledger (virtual time)", f"RedisLedger (real time x{args.time_scale:g})"
@@ -675,6 +685,8 @@ def main() -> None:
             present = simulate(fresh(arrivals, True), budget, fair, max_queue, args.max_wait)
             absent = simulate(fresh(arrivals, False), budget, fair, max_queue, args.max_wait)
             rows.append(row(label, load, max_queue, fair, present, absent))
+            if fair and "shares" in present:
+                split_rows.append(split_row(label, load, max_queue, present))
             results.append({"ledger": "memory", "requests": len(arrivals), "load": load, "max_queue": str(max_queue),
                             "fair": fair, "present": present, "absent": absent})
             if fair and max_queue == queues[0]:
@@ -712,6 +724,8 @@ def main() -> None:
                 fairness[redis, load] = {key: run for key, run in runs.items() if key[0]}
                 for fair in (True, False):
                     rows.append(row(redis, load, queues[0], fair, runs[fair, True], runs[fair, False]))
+                if "shares" in runs[True, True]:
+                    split_rows.append(split_row(redis, load, queues[0], runs[True, True]))
                     results.append({"ledger": "redis", "requests": len(arrivals), "load": load, "max_queue": str(queues[0]),
                                     "fair": fair, "present": runs[fair, True], "absent": runs[fair, False]})
             redis_seeds = range(args.seed, args.seed + args.redis_deadline_seeds)
@@ -748,6 +762,10 @@ def main() -> None:
             server.stop()
     print(f"budget {budget / (1 << 30):.2f} GiB; heavy tenant {HEAVY_FACTOR}x each of {len(LIGHTS)} light tenants")
     print(table(rows, HEADER))
+    if split_rows:
+        print("\nfair share on: the windows in which all five wait, their byte-s split by when they were granted "
+              "(granted before a window opened, no admission can take back)")
+        print(table(split_rows, SPLIT_HEADER))
     if deadline_rows:
         print(f"\nclient deadlines uniform in [{args.min_deadline:g}, {args.max_wait:g}] s, fair share on, "
               f"max_queue {queues[0]}; several seeds: summed; goodput per second of offered time")
