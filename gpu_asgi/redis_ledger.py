@@ -330,7 +330,7 @@ class RedisLedger:
         try:
             state = await self._scripts.leave_and_read(rid, reason, tenant)
         except RedisSlow:
-            return None  # it may still land; the leave in the background is harmless then
+            return None  # it may still land: the leave in the background then drops nothing (but counts again)
         except RedisDown as exc:
             self._upkeep.went_down(exc)
             return None
@@ -457,7 +457,8 @@ class RedisLedger:
         a tenant that neither holds nor waits nor is configured is not in it).
 
         The ``Retry-After`` of a ``queue-full`` or ``queue-timeout`` refusal is not this: it is
-        computed from Redis's state at the refusal (docs/admission.md, "Retry-After with tenants").
+        computed from Redis's state at the refusal (docs/admission.md, "Retry-After of a refusal,
+        with Redis").
         """
         return self._retry_after(self._upkeep.beat, nbytes, priority, tenant)
 
