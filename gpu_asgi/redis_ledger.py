@@ -60,6 +60,10 @@ DEFAULT_POLL_INTERVAL = 2.0
 UNSUBSCRIBED_POLL_INTERVAL = 0.05
 DEFAULT_REDIS_TIMEOUT = 1.0
 DEFAULT_MAX_CONNECTIONS = 32
+#: How long a request that timed out in the queue waits for Redis's state of that moment, for its
+#: ``Retry-After`` (a healthy Redis answers in about a millisecond); past it, the heartbeat
+#: snapshot's, and the queue exit finishes in the background.
+TIMEOUT_STATE_WAIT = 0.1
 
 
 class RedisLedger:
@@ -230,7 +234,8 @@ class RedisLedger:
 
         As :meth:`Ledger.reserve <gpu_asgi.Ledger.reserve>`, plus :class:`~gpu_asgi.LedgerUnavailable`
         when Redis fails and ``on_unavailable`` is ``"fail-closed"``. Never waits past ``timeout``
-        (default ``max_wait``), whatever Redis does. With ``wait_limit``, a request that cannot be
+        (default ``max_wait``) by more than ``TIMEOUT_STATE_WAIT`` (0.1 s, to read the state its
+        ``Retry-After`` is computed from), whatever Redis does. With ``wait_limit``, a request that cannot be
         granted at once is decided on the shared state of that moment, which the reserve script
         returns instead of queueing it; one more call then queues it (or grants it, if bytes came free).
         """
@@ -286,10 +291,12 @@ class RedisLedger:
             return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start, tenant))
         except TimeoutError:
             reason = QueueTimeout.reason
-            state_after = await self._leave_now(rid, reason, tenant)
-            settled = state_after is not None  # else the queue is left in the background (finally)
-            if cancels() > cancelled:
-                raise asyncio.CancelledError from None
+            leaving = upkeep.spawn(self._leave_and_read(rid, reason, tenant))
+            settled = leaving is not None  # that task leaves the queue, even if this one is cancelled
+            state_after = None
+            if leaving is not None:
+                done, _ = await asyncio.wait([leaving], timeout=TIMEOUT_STATE_WAIT)
+                state_after = leaving.result() if done else None
             hint = (
                 self.retry_after(nbytes, priority=priority, tenant=tenant)
                 if state_after is None
@@ -324,15 +331,17 @@ class RedisLedger:
         )
         return QueueFull(message, retry_after=self._retry_after(full.state, nbytes, priority, tenant))
 
-    async def _leave_now(self, rid: str, reason: str, tenant: str) -> Beat | None:
+    async def _leave_and_read(self, rid: str, reason: str, tenant: str) -> Beat | None:
         """Leave the queue (giving back a lease granted as the waiter gave up) and read the shared
-        state just after, in one call bounded by ``redis_timeout``; None if Redis failed."""
+        state just after, in one call; if it fails, None, and the exit is retried as any other
+        (``Upkeep.leave``; after a call that was only slow and did land, it finds nothing to drop
+        but counts the rejection again)."""
         try:
             state = await self._scripts.leave_and_read(rid, reason, tenant)
-        except RedisSlow:
-            return None  # it may still land: the leave in the background then drops nothing (but counts again)
         except RedisDown as exc:
-            self._upkeep.went_down(exc)
+            if not isinstance(exc, RedisSlow):
+                self._upkeep.went_down(exc)
+            await self._upkeep.retrying(self._scripts.leave, rid, reason)
             return None
         self._upkeep.came_up()
         return state
