@@ -474,7 +474,9 @@ return result
 # ARG: id, bytes, devices (JSON, in the ledger's order), device indexes (e.g. "0,1"), priority,
 # tenant, '1' to answer {'wait', snapshot} instead of queueing when it cannot be granted at once
 # (the deadline decision is then taken on that snapshot, and a second call queues). Asking again
-# with the same id answers the state of the first ask (a call that timed out).
+# with the same id answers the state of the first ask (a call that timed out). A refusal answers
+# {'full', waiting, snapshot} ('tenant' fourth when it is the tenant's own bound): Retry-After
+# from the state that refused it, with no ticket taken.
 RESERVE = """
 local function main()
   if reap() > 0 then dispatch() end
@@ -492,14 +494,15 @@ local function main()
     end
   end
   if ARG[7] == '1' then return {'wait', snapshot(t)} end  -- before any queue check, as the in-process ledger
+  -- Refused: the state of this instant comes back with the refusal, for its Retry-After.
   if waiting >= cfg.queue then
     redis.call('HINCRBY', K_COUNT, 'rejected:queue-full', 1)
-    return {'full', waiting}
+    return {'full', waiting, snapshot(t)}
   end
   local own, tenant_queue = account(t).waiting, (cfg.tenants[t] or cfg.default)[3]
   if tenant_queue >= 0 and own >= tenant_queue then  -- the tenant's own bound (TenantPolicy.max_queue)
     redis.call('HINCRBY', K_COUNT, 'rejected:queue-full', 1)
-    return {'full', own}
+    return {'full', own, snapshot(t), 'tenant'}
   end
   local seq = redis.call('HINCRBY', K_COUNT, 'seq', 1)
   local p = tonumber(ARG[5])
@@ -531,7 +534,9 @@ local function main()
 end
 """
 
-# ARG: id, rejection reason or ''
+# ARG: id, rejection reason or '', and optionally a tenant. Given one, it answers {had, snapshot}:
+# the state just after the waiter left and the queue moved on, which its Retry-After is read from
+# (as the in-process ledger computes it once the waiter has left the queue).
 LEAVE = """
 local function main()
   local had = drop_lease(ARG[1])
@@ -540,6 +545,7 @@ local function main()
   if ARG[2] ~= '' then redis.call('HINCRBY', K_COUNT, 'rejected:' .. ARG[2], 1) end
   reap()
   dispatch()
+  if ARG[3] then return {had and 1 or 0, snapshot(ARG[3])} end
   return had and 1 or 0
 end
 """

@@ -111,6 +111,16 @@ class Beat:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Full:
+    """The reserve script's refusal: ``waiting`` requests queued already (the tenant's own, when
+    ``own_bound``), and the shared state of that instant (for its ``Retry-After``)."""
+
+    waiting: int
+    state: Beat
+    own_bound: bool = False
+
+
 class LedgerScripts:
     """The scripts bound to one namespace's keys; every call ends within ``timeout`` seconds."""
 
@@ -179,28 +189,32 @@ class LedgerScripts:
     @overload
     async def reserve(
         self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: Literal[False] = False
-    ) -> tuple[str, str]: ...
+    ) -> tuple[str, str] | Full: ...
 
     @overload
     async def reserve(
         self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: bool
-    ) -> tuple[str, str] | Beat: ...
+    ) -> tuple[str, str] | Beat | Full: ...
 
     async def reserve(
         self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: bool = False
-    ) -> tuple[str, str] | Beat:
-        """``("granted", device)``, ``("queued", position)`` or ``("full", waiting)``; with ``wait``,
-        instead of queueing a request that cannot be granted at once, the state of that moment
-        (a :class:`Beat`, for the deadline decision), and no ticket is taken.
+    ) -> tuple[str, str] | Beat | Full:
+        """``("granted", device)``, ``("queued", position)``, or :class:`Full` when the queue is at
+        its bound (no ticket is taken); with ``wait``, instead of queueing a request that cannot be
+        granted at once, the state of that moment (a :class:`Beat`, for the deadline decision), and
+        no ticket is taken.
 
         ``devices`` in the ledger's order. Asking again with the same id answers the first ask's state.
         """
         indexes = ",".join(str(self._index[name]) for name in devices)
         devs = json.dumps(list(devices))
-        state, detail = await self._run("reserve", id, nbytes, devs, indexes, priority, tenant, "1" if wait else "0")
-        if text(state) == "wait":
+        answer = await self._run("reserve", id, nbytes, devs, indexes, priority, tenant, "1" if wait else "0")
+        state, detail = text(answer[0]), answer[1]
+        if state == "wait":
             return _beat((), detail)
-        return text(state), text(detail)
+        if state == "full":
+            return Full(int(detail), _beat((), answer[2]), own_bound=len(answer) > 3)
+        return state, text(detail)
 
     async def claim(self, id: str) -> tuple[str, str]:
         """``("granted", device)``, ``("waiting", _)``, or ``("gone", _)`` when Redis lost the ticket."""
@@ -210,6 +224,11 @@ class LedgerScripts:
     async def leave(self, id: str, reason: str = "") -> bool:
         """Drop ``id``'s ticket and any lease granted to it; True if a lease was given back."""
         return bool(await self._run("leave", id, reason))
+
+    async def leave_and_read(self, id: str, reason: str, tenant: str) -> Beat:
+        """As :meth:`leave`, and the shared state just after it (with ``tenant``'s row), in the same call."""
+        _, snapshot = await self._run("leave", id, reason, tenant)
+        return _beat((), snapshot)
 
     async def release(self, id: str, keep: int, finished: bool) -> None:
         await self._run("release", id, keep, "1" if finished else "0")

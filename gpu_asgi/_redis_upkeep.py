@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -35,6 +35,8 @@ from ._redis_scripts import Beat, LedgerScripts, RedisDown, RedisSlow, text
 
 #: Tries for a release or a queue exit that cannot reach Redis; the lease TTL is the backstop.
 RETRIES = 3
+
+_Result = TypeVar("_Result")
 
 logger = logging.getLogger("gpu_asgi.redis_ledger")
 
@@ -209,7 +211,7 @@ class Upkeep:
                 else:
                     await asyncio.sleep(0.05 * 4**attempt)
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+    def spawn(self, coro: Coroutine[Any, Any, _Result]) -> asyncio.Task[_Result] | None:
         try:
             task = asyncio.get_running_loop().create_task(coro)
         except RuntimeError:  # released with no loop running (shutdown): the lease TTL covers it

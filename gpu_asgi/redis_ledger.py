@@ -44,7 +44,7 @@ from ._ledger_contract import (
     Reservation,
     check_priority,
 )
-from ._redis_scripts import Beat, LedgerScripts, RedisDown, RedisSlow
+from ._redis_scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
 from ._redis_upkeep import RETRIES, Upkeep, cancels
 from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 
@@ -60,6 +60,10 @@ DEFAULT_POLL_INTERVAL = 2.0
 UNSUBSCRIBED_POLL_INTERVAL = 0.05
 DEFAULT_REDIS_TIMEOUT = 1.0
 DEFAULT_MAX_CONNECTIONS = 32
+#: How long a request that timed out in the queue waits for Redis's state of that moment, for its
+#: ``Retry-After`` (a healthy Redis answers in about a millisecond); past it, the heartbeat
+#: snapshot's, and the queue exit finishes in the background.
+TIMEOUT_STATE_WAIT = 0.1
 
 
 class RedisLedger:
@@ -230,7 +234,8 @@ class RedisLedger:
 
         As :meth:`Ledger.reserve <gpu_asgi.Ledger.reserve>`, plus :class:`~gpu_asgi.LedgerUnavailable`
         when Redis fails and ``on_unavailable`` is ``"fail-closed"``. Never waits past ``timeout``
-        (default ``max_wait``), whatever Redis does. With ``wait_limit``, a request that cannot be
+        (default ``max_wait``) by more than ``TIMEOUT_STATE_WAIT`` (0.1 s, to read the state its
+        ``Retry-After`` is computed from), whatever Redis does. With ``wait_limit``, a request that cannot be
         granted at once is decided on the shared state of that moment, which the reserve script
         returns instead of queueing it; one more call then queues it (or grants it, if bytes came free).
         """
@@ -257,10 +262,6 @@ class RedisLedger:
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
                         raise asyncio.CancelledError
-                    if state == "full":
-                        settled = True  # no ticket was taken
-                        message = f"{detail} requests are already waiting for GPU memory."
-                        raise QueueFull(message, retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant))
                     if state == "gone":  # not queued yet (first ask, a slow one), or Redis lost the queue: join
                         answer = await self._ask(
                             self._scripts.reserve(rid, nbytes, names, priority, tenant, wait=limit is not None)
@@ -272,6 +273,9 @@ class RedisLedger:
                                 raise refusal
                             limit = None
                             answer = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
+                        if isinstance(answer, Full):
+                            settled = True  # no ticket was taken
+                            raise self._queue_full(answer, nbytes, priority, tenant)
                         state, detail = answer
                         continue
                     poll = self.poll_interval if upkeep.listening else UNSUBSCRIBED_POLL_INTERVAL
@@ -287,9 +291,19 @@ class RedisLedger:
             return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start, tenant))
         except TimeoutError:
             reason = QueueTimeout.reason
+            leaving = upkeep.spawn(self._leave_and_read(rid, reason, tenant))
+            settled = leaving is not None  # that task leaves the queue, even if this one is cancelled
+            state_after = None
+            if leaving is not None:
+                done, _ = await asyncio.wait([leaving], timeout=TIMEOUT_STATE_WAIT)
+                state_after = leaving.result() if done else None
+            hint = (
+                self.retry_after(nbytes, priority=priority, tenant=tenant)
+                if state_after is None
+                else self._retry_after(state_after, nbytes, priority, tenant)
+            )
             raise QueueTimeout(
-                f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
-                retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant),
+                f"No GPU memory became free for {nbytes} bytes within {wait:g} s.", retry_after=hint
             ) from None
         except RedisDown as exc:
             upkeep.went_down(exc)
@@ -306,11 +320,34 @@ class RedisLedger:
         """The deadline rule (``_client_deadline``) on the state the reserve script just returned."""
         if wait_limit is None:
             return None
-        return unmeetable(
-            wait_limit,
-            beat.release_rate,
-            lambda: beat.retry_after(self._capacities, nbytes, self.max_wait, priority, self.max_bypass, tenant),
+        return unmeetable(wait_limit, beat.release_rate, lambda: self._retry_after(beat, nbytes, priority, tenant))
+
+    def _queue_full(self, full: Full, nbytes: int, priority: int, tenant: str) -> QueueFull:
+        """The refusal, its ``Retry-After`` from the state the reserve script refused it on."""
+        message = (
+            f"{full.waiting} requests of this tenant are already waiting for GPU memory (its limit)."
+            if full.own_bound
+            else f"{full.waiting} requests are already waiting for GPU memory."
         )
+        return QueueFull(message, retry_after=self._retry_after(full.state, nbytes, priority, tenant))
+
+    async def _leave_and_read(self, rid: str, reason: str, tenant: str) -> Beat | None:
+        """Leave the queue (giving back a lease granted as the waiter gave up) and read the shared
+        state just after, in one call; if it fails, None, and the exit is retried as any other
+        (``Upkeep.leave``; after a call that was only slow and did land, it finds nothing to drop
+        but counts the rejection again)."""
+        try:
+            state = await self._scripts.leave_and_read(rid, reason, tenant)
+        except RedisDown as exc:
+            if not isinstance(exc, RedisSlow):
+                self._upkeep.went_down(exc)
+            await self._upkeep.retrying(self._scripts.leave, rid, reason)
+            return None
+        self._upkeep.came_up()
+        return state
+
+    def _retry_after(self, beat: Beat, nbytes: int, priority: int, tenant: str) -> float:
+        return beat.retry_after(self._capacities, nbytes, self.max_wait, priority, self.max_bypass, tenant)
 
     async def _ask(self, call: Awaitable[_Answer]) -> _Answer | tuple[str, str]:
         """A script's answer; ``("waiting", "")`` when it was only slow and Redis answers the probe
@@ -425,10 +462,14 @@ class RedisLedger:
     # -- rates and statistics -------------------------------------------------------------
 
     def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float:
-        """As the in-process ledger's, from the shared release rate of the last snapshot."""
-        return self._upkeep.beat.retry_after(
-            self._capacities, nbytes, self.max_wait, priority, self.max_bypass, tenant
-        )
+        """As the in-process ledger's, from the last heartbeat's snapshot (up to ``heartbeat`` s old;
+        a tenant that neither holds nor waits nor is configured is not in it).
+
+        The ``Retry-After`` of a ``queue-full`` or ``queue-timeout`` refusal is not this: it is
+        computed from Redis's state at the refusal (docs/admission.md, "Retry-After of a refusal,
+        with Redis").
+        """
+        return self._retry_after(self._upkeep.beat, nbytes, priority, tenant)
 
     def statistics(self) -> LedgerStatistics:
         """Every worker's reservations and queue, as of the last heartbeat (at most ``heartbeat`` s old).

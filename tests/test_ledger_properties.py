@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpu_asgi import Ledger, NeverFits, QueueFull, Reservation, TenantPolicy
-from gpu_asgi._redis_scripts import Beat
+from gpu_asgi._redis_scripts import Beat, Full
 
 from . import _redis
 from ._redis import REDIS_SERVER, RedisServer
@@ -155,14 +155,19 @@ class InRedis:
             clock=clock,
         )
         self.devices = tuple(CAPACITIES)
+        #: The last refusal's answer: the state it was refused on.
+        self.refused: Full | None = None
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 
     def arrive(self, arrival: int, nbytes: int, devices: tuple[str, ...] | None, priority: int, tenant: str) -> str:
         names = [name for name in self.devices if devices is None or name in devices]
-        state, _ = self.run(self.scripts.reserve(f"a{arrival}", nbytes, names, priority, tenant))
-        return str(state)
+        answer = self.run(self.scripts.reserve(f"a{arrival}", nbytes, names, priority, tenant))
+        if isinstance(answer, Full):
+            self.refused = answer
+            return "full"
+        return str(answer[0])
 
     def release(self, arrival: int) -> None:
         self.run(self.scripts.release(f"a{arrival}", 0, True))
@@ -275,6 +280,15 @@ class LedgerMachine(RuleBasedStateMachine):
         assert len(set(states)) == 1, f"arrival {self.arrivals} ({nbytes} B): {states}"
         if states[0] == "queued":
             self.waiting[self.arrivals] = (nbytes, devices, priority)
+        if states[0] == "full" and self.redis is not None:
+            # Retry-After from the state the script refused on is the in-process ledger's (the
+            # drain rate set alike, as in predict_for_a_deadline).
+            assert self.redis.refused is not None
+            rate = 7.0
+            expected = predicted_wait_now(self.memory.ledger, nbytes, priority, tenant, rate)
+            state = dataclasses.replace(self.redis.refused.state, released_bytes=rate, busy_seconds=1.0)
+            max_wait = self.memory.ledger.max_wait
+            assert state.retry_after(CAPACITIES, nbytes, max_wait, priority, MAX_BYPASS, tenant) == expected
         self.compare(decided=states[0] != "full")  # refused before any dispatch
 
     @rule(

@@ -7,11 +7,14 @@ real multi-process runs are in test_redis_workers.py, the faults in test_redis_f
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -26,6 +29,7 @@ from gpu_asgi import (
     QueueFull,
     QueueTimeout,
     Reservation,
+    TenantPolicy,
     gpu_bound,
     gpu_reservation,
     ledger_from_url,
@@ -33,6 +37,7 @@ from gpu_asgi import (
 from gpu_asgi.redis_ledger import RedisLedger
 
 from . import _redis
+from ._backends import Backend, Clock, open_ledgers, start
 from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
 
 pytestmark = requires_redis_server
@@ -381,3 +386,125 @@ async def test_a_wait_for_a_pooled_connection_is_not_redis_being_down(
         await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
     finally:
         await ledger.aclose()
+
+
+# -- the Retry-After of a refusal: from Redis's state at that instant, as in-process ------------
+
+
+async def idle_tenant_behind_a_backlog(
+    backend: Backend, **options: Any
+) -> tuple[BudgetLedger, Reservation, list[asyncio.Task[Reservation]]]:
+    """Tenant "d" (not configured) held 100 bytes for 10 s and went idle: a drain rate of 10 bytes
+    per busy second, and d's virtual time 1,000. Then "x" holds the whole budget and queues four
+    waiters of 20 bytes (x's virtual time 0: ahead of d). A request of d for 20 bytes is therefore
+    told (4 x 20 + 20) / 10 = 10 s. The ledger, x's holder and x's waiters."""
+    ledger = backend.make(100, max_wait=1000, **options)
+    reservation = await ledger.reserve(100, tenant="d")
+    backend.clock.advance(10)
+    reservation.release()
+    if backend.server is not None:  # the release goes in the background: x must not queue behind d
+        server, name = backend.server, ledger.namespace  # type: ignore[attr-defined]
+        await eventually(lambda: server.ledger_state(name) == EMPTY)
+    holder = await ledger.reserve(100, tenant="x")
+    waiters = [start(ledger, 20, tenant="x") for _ in range(4)]
+    await backend.queued(ledger, 4)
+    return ledger, holder, waiters
+
+
+async def refused(
+    kind: str, server: RedisServer, name: str, snapshot: str, refusal: type[QueueFull | QueueTimeout]
+) -> tuple[float, float | None]:
+    """The ``Retry-After`` of d's refusal (``QueueFull``: the queue bound is x's four waiters;
+    ``QueueTimeout``: d queues behind them and gives up after 0.2 s), and for Redis what its
+    heartbeat snapshot would have said: one from before the backlog (``"stale"``: no drain rate
+    yet, so ``max_wait``'s 600 s), or one refreshed just before (``"fresh"``: it has no row for
+    the idle, unconfigured d, which then counts as a newcomer ordered first: 2 s)."""
+    async with open_ledgers(kind, clock=Clock(), server=server, name=name) as backend:
+        options = {"max_queue": 4} if refusal is QueueFull else {}
+        ledger, holder, waiters = await idle_tenant_behind_a_backlog(backend, **options)
+        if snapshot == "fresh" and isinstance(ledger, RedisLedger):
+            await ledger.refresh_statistics()
+        with pytest.raises(refusal) as caught:
+            await asyncio.wait_for(ledger.reserve(20, tenant="d", timeout=0.2), 10)  # fail, never hang
+        await backend.queued(ledger, 4)  # d's ticket, if it took one, is gone
+        hint = ledger.retry_after(20, tenant="d") if isinstance(ledger, RedisLedger) else None
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        holder.release()
+        assert caught.value.retry_after is not None
+        return caught.value.retry_after, hint
+
+
+@pytest.mark.parametrize("snapshot, snapshot_says", [("stale", 600.0), ("fresh", 2.0)])
+@pytest.mark.parametrize("refusal", [QueueFull, QueueTimeout])
+async def test_a_refusals_retry_after_is_the_in_process_ledgers_on_the_same_state(
+    redis_server: RedisServer,
+    namespace: str,
+    snapshot: str,
+    snapshot_says: float,
+    refusal: type[QueueFull | QueueTimeout],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """queue-full and queue-timeout on Redis used to answer from the heartbeat snapshot (wrong
+    both ways: 600 s or 2 s); now from Redis's state when the script refused the request, or just
+    after the timed-out waiter left the queue (as in-process: its own 20 bytes no longer count,
+    else 12 s)."""
+    monkeypatch.setattr("gpu_asgi.redis_ledger.TIMEOUT_STATE_WAIT", 10.0)  # however loaded the machine
+    memory, _ = await refused("memory", redis_server, namespace, snapshot, refusal)
+    shared, hint = await refused("redis", redis_server, namespace, snapshot, refusal)
+    assert hint == pytest.approx(snapshot_says)  # what the old answer was
+    assert memory == pytest.approx(10)
+    assert shared == memory
+
+
+@pytest.mark.parametrize("failure", ["down", "slow"])
+async def test_a_redis_failure_at_the_timeout_still_answers_queue_timeout(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str, failure: str
+) -> None:
+    """The read of Redis's state at the timeout fails (Redis refuses the call), or is slow (an
+    answer only after 3 s, within ``redis_timeout``): the 503 queue-timeout goes out at once all
+    the same, with the snapshot's finite Retry-After, and the queue is left in the background."""
+    ledger = make_ledger(100, redis_timeout=30.0)
+    holder = await ledger.reserve(100)
+    scripts = ledger._scripts._scripts
+    leave = scripts["leave"]
+
+    async def fails_once(*args: Any, **options: Any) -> Any:
+        scripts["leave"] = leave  # the retries in the background find Redis working again
+        if failure == "down":
+            raise RedisConnectionError("injected")
+        await asyncio.sleep(3)
+        return await leave(*args, **options)
+
+    scripts["leave"] = fails_once  # type: ignore[assignment]
+    begun = time.monotonic()
+    with pytest.raises(QueueTimeout) as caught:
+        await asyncio.wait_for(ledger.reserve(10, timeout=0.2), 10)  # fail, never hang
+    assert time.monotonic() - begun < 2.5  # 0.2 s and TIMEOUT_STATE_WAIT, not the slow call's 3 s
+    assert caught.value.retry_after is not None and 1 <= caught.value.retry_after <= 600
+    assert scripts["leave"] is leave  # the failing call was made
+    await eventually(queued(redis_server, namespace, 0))
+    holder.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+
+
+async def test_a_tenant_at_its_own_queue_bound_is_told_so_as_in_process(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """The reserve script says which bound refused the request: the same detail in both ledgers."""
+    details = {}
+    for kind in ("memory", "redis"):
+        async with open_ledgers(kind, server=redis_server, name=namespace) as backend:
+            ledger = backend.make(100, default_tenant_policy=TenantPolicy(max_queue=1))
+            holder = await ledger.reserve(100, tenant="t")
+            waiter = start(ledger, 10, tenant="t")
+            await backend.queued(ledger, 1)
+            with pytest.raises(QueueFull) as caught:
+                await asyncio.wait_for(ledger.reserve(10, tenant="t"), 10)
+            details[kind] = caught.value.detail
+            holder.release()
+            (await asyncio.wait_for(waiter, 5)).release()
+    assert details == dict.fromkeys(
+        ("memory", "redis"), "1 requests of this tenant are already waiting for GPU memory (its limit)."
+    )

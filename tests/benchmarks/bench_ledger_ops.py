@@ -1,17 +1,19 @@
 """Ledger operations: the in-process ``Ledger`` against the shared ``RedisLedger``, 1 and 4 processes.
 
     python -m tests.benchmarks.bench_ledger_ops [--seconds 3] [--clients 16] [--redis-url URL]
-        [--workloads single free contended] [--ledgers in-process redis]
+        [--workloads single free contended refused] [--ledgers in-process redis]
 
 Each process runs coroutines ("clients") that loop reserve → release for ``--seconds``.
 *ops/s* counts completed reserve+release pairs over all processes; *admission latency* is the
-time ``await ledger.reserve()`` takes (p50/p99 over every call). Three workloads:
+time ``await ledger.reserve()`` takes (p50/p99 over every call). The workloads:
 
 - ``single``: one client per process, the budget always has room — one admission's own latency;
 - ``free``: ``--clients`` per process, the budget always has room — throughput;
 - ``contended``: ``--clients`` per process each hold 1–4 MiB for 1 ms against one 8 MiB budget
   (so most clients queue, and four processes queue four times as hard): queueing, wake-ups and
-  the bypass rule at work.
+  the bypass rule at work;
+- ``refused`` (not in the default run): the budget is held and ``max_queue`` is 0, so every
+  reserve is refused ``queue-full``; *ops/s* counts refusals: the cost of answering overload.
 
 With 4 processes the in-process rows are four *separate* budgets (that is the over-commit a
 shared ledger prevents); they show the ceiling, not a correct configuration. Without
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -31,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
-from gpu_asgi import Ledger
+from gpu_asgi import Ledger, QueueFull
 from gpu_asgi.redis_ledger import RedisLedger
 
 from ._report import table, write_report
@@ -43,12 +46,13 @@ CONTENDED_BUDGET_UNITS = 8
 async def _clients(
     kind: str, workload: str, redis_url: str, namespace: str, clients: int, seconds: float, start_at: float
 ) -> dict[str, Any]:
-    budget = CONTENDED_BUDGET_UNITS * UNIT if workload == "contended" else 1 << 40
+    budget = {"contended": CONTENDED_BUDGET_UNITS * UNIT, "refused": UNIT}.get(workload, 1 << 40)
     clients = 1 if workload == "single" else clients
+    max_queue = 0 if workload == "refused" else 10_000
     ledger: Any = (
-        Ledger(budget, max_queue=10_000)
+        Ledger(budget, max_queue=max_queue)
         if kind == "in-process"
-        else RedisLedger(redis_url, budget, namespace=namespace, max_queue=10_000, redis_timeout=5.0)
+        else RedisLedger(redis_url, budget, namespace=namespace, max_queue=max_queue, redis_timeout=5.0)
     )
     latencies: list[float] = []
     ops = 0
@@ -56,6 +60,10 @@ async def _clients(
     hold = 0.001 if workload == "contended" else 0.0
     if isinstance(ledger, RedisLedger):
         await ledger.refresh_statistics()  # connected and scripts loaded before the clock starts
+    holder = None
+    if workload == "refused":
+        with contextlib.suppress(QueueFull):  # one process of a shared budget holds it
+            holder = await ledger.reserve(UNIT)
     await asyncio.sleep(max(0.0, start_at - time.time()))
     stop = time.perf_counter() + seconds
 
@@ -64,7 +72,18 @@ async def _clients(
         while time.perf_counter() < stop:
             nbytes = rng.randint(1, 4) * UNIT if workload == "contended" else UNIT
             began = time.perf_counter()
-            reservation = await ledger.reserve(nbytes)
+            try:
+                reservation = await ledger.reserve(nbytes)
+            except QueueFull:
+                if workload != "refused":
+                    raise
+                latencies.append(time.perf_counter() - began)
+                ops += 1
+                await asyncio.sleep(0)
+                continue
+            if workload == "refused":  # the holder let go (another process's, at its end): not counted
+                reservation.release()
+                continue
             latencies.append(time.perf_counter() - began)
             if hold:
                 await asyncio.sleep(hold)
@@ -75,9 +94,15 @@ async def _clients(
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
+    elapsed = time.perf_counter() - started  # refusals leave nothing to land
+    if holder is not None:  # held until every process's clients have stopped
+        await asyncio.sleep(max(0.0, stop + 1.0 - time.perf_counter()))
+        holder.release()
     if isinstance(ledger, RedisLedger):
         await ledger.aclose()  # every release has landed in Redis
-    return {"ops": ops, "elapsed": time.perf_counter() - started, "latencies": latencies}
+    if workload != "refused":
+        elapsed = time.perf_counter() - started
+    return {"ops": ops, "elapsed": elapsed, "latencies": latencies}
 
 
 def _process(args: tuple[str, str, str, str, int, float, float]) -> dict[str, Any]:
