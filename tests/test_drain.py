@@ -90,6 +90,28 @@ def test_a_rate_is_unknown_until_a_release_and_a_busy_second() -> None:
     assert drain_rate(100.0, MIN_BUSY_SPAN) == 100.0
 
 
+async def test_both_ledgers_know_a_rate_only_after_a_busy_second(backend: Backend) -> None:
+    """One rule for both ledgers and for tenants' admission rates: a release after half a busy
+    second gives no rate yet (``Retry-After`` is ``max_wait``, no deadline refusal); a second
+    more of busy time, with nothing else released, does."""
+    ledger = backend.make(100, max_wait=40)
+    reservation = await ledger.reserve(100)
+    backend.clock.advance(0.5)
+    reservation.release()
+    holder = await ledger.reserve(100)
+    refresh = getattr(ledger, "refresh_statistics", None)  # Redis: a snapshot of this instant
+    stats = await refresh() if refresh is not None else ledger.statistics()
+    assert stats.release_rate_bytes_per_second == 0 and ledger.retry_after(50) == 40
+    waiter = asyncio.ensure_future(ledger.reserve(50, wait_limit=2))  # not refused: it queues
+    await backend.queued(ledger, 1)
+    backend.clock.advance(1)
+    stats = await refresh() if refresh is not None else ledger.statistics()
+    expected = 100 * math.exp(-1 / RATE_WINDOW) / (RATE_WINDOW * -math.expm1(-1.5 / RATE_WINDOW))
+    assert stats.release_rate_bytes_per_second == pytest.approx(expected, rel=1e-9)
+    holder.release()
+    (await asyncio.wait_for(waiter, 5)).release()
+
+
 #: (milliseconds since the previous operation, operation, bytes, tenant, which live request)
 OPERATIONS = st.lists(
     st.tuples(
