@@ -1,8 +1,15 @@
 """The drain rate behind ``Retry-After``: bytes given back per second of busy time.
 
 An exponentially weighted average with a time constant of ``RATE_WINDOW`` seconds that counts
-only time when something was reserved: an idle spell neither lowers nor raises the rate, so the first burst after a quiet minute is answered with the rate
-the GPU drains at when it works. The Redis ledger computes the same in Lua (``_redis_lua``).
+only time when something was reserved: an idle spell neither lowers nor raises the rate, so the
+first burst after a quiet minute is answered with the rate the GPU drains at when it works.
+
+Over ``e`` busy seconds both sums decay by ``d = exp(-e / RATE_WINDOW)`` and the busy seconds
+grow by ``RATE_WINDOW * (1 - d)``: the exact continuous average of busy time. Advancing over
+``[t0, t2]`` in one step or at any instants in between gives the same numbers, so the rate at an
+instant depends only on the history of releases and busy time, never on how often a ledger
+happened to look. Both ledgers read it as of the instant asked (``rate_at``); the Redis ledger
+computes the same in Lua (``_redis_lua``).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ RATE_WINDOW = 30.0
 #: The hint's clamp, in seconds; finite for any settings.
 MIN_RETRY_AFTER = 1.0
 MAX_RETRY_AFTER = 600.0
-#: Busy seconds below which a rate is not trusted yet (one early release would read as a flood).
+#: Weighted busy seconds below which a rate is not trusted yet (one early release would read as a flood).
 MIN_BUSY_SPAN = 1.0
 
 
@@ -41,25 +48,24 @@ class DrainRate:
         elapsed = now - self.last
         if self.busy and elapsed > 0:
             decay = math.exp(-elapsed / RATE_WINDOW)
-            return self.bytes * decay, self.seconds * decay + elapsed
+            # 1 - decay, not -expm1: the Lua scripts (which have no expm1) then compute the same
+            # floats from the same events; what 1 - decay loses is below 1e-15 s per step.
+            return self.bytes * decay, self.seconds * decay + RATE_WINDOW * (1 - decay)
         return self.bytes, self.seconds
 
     def released(self, nbytes: int) -> None:
         self.bytes += nbytes
 
     def rate_at(self, now: float) -> float:
-        """The rate as if advanced to ``now``; 0 until ``MIN_BUSY_SPAN`` busy seconds are seen.
+        """The rate as if advanced to ``now`` (:func:`drain_rate`): time busy since the last
+        grant or release counts, so a rate that stopped moving reads slower as it waits."""
+        return drain_rate(*self._at(now))
 
-        A tenant's admission rate is read this way: time it has waited since its last admission
-        counts, and a rate from a moment of backlog is not trusted.
-        """
-        nbytes, seconds = self._at(now)
-        return nbytes / seconds if nbytes > 0 and seconds >= MIN_BUSY_SPAN else 0.0
 
-    @property
-    def rate(self) -> float:
-        """Bytes per busy second; 0 until a release has been seen."""
-        return self.bytes / max(self.seconds, MIN_BUSY_SPAN) if self.bytes > 0 else 0.0
+def drain_rate(nbytes: float, seconds: float) -> float:
+    """Bytes per busy second from the decayed sums; 0 (unknown) until a release has been seen
+    and ``MIN_BUSY_SPAN`` weighted busy seconds have passed."""
+    return nbytes / seconds if nbytes > 0 and seconds >= MIN_BUSY_SPAN else 0.0
 
 
 def retry_after(backlog: int, rate: float, max_wait: float) -> float:

@@ -376,8 +376,8 @@ class Ledger:
         self._rejected[reason] = self._rejected.get(reason, 0) + 1
 
     def release_rate(self) -> float:
-        """Bytes given back per busy second (an average over about ``RATE_WINDOW`` busy seconds)."""
-        return self._drain.rate
+        """Bytes given back per busy second (an average over about ``RATE_WINDOW`` busy seconds), as of now."""
+        return self._drain.rate_at(self._clock())
 
     def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float:
         """Seconds until a request of ``tenant`` for ``nbytes`` at ``priority`` arriving now would likely be admitted.

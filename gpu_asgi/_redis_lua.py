@@ -75,15 +75,21 @@ if ARGV[2] ~= '' and ARGV[2] ~= boot then  -- the caller saw an earlier dataset:
 end
 local warming = now < tonumber(redis.call('HGET', K_BOOT, 'warm') or '0')
 
+-- A drain rate's bytes and busy seconds after 'elapsed' more busy seconds (_drain.DrainRate): both
+-- decay by d, the seconds grow by window * (1 - d), the exact continuous average, so advancing in
+-- one step or in several gives the same numbers (to rounding), in the same arithmetic as Python.
+local function decayed(b, secs, elapsed)
+  local d = math.exp(-elapsed / cfg.window)
+  return b * d, secs * d + cfg.window * (1 - d)
+end
+
 -- The drain rate (gpu_asgi/_drain.py): decay by busy time only, since the last script.
 do
   local rel = redis.call('HMGET', K_REL, 'bytes', 'seconds', 'last', 'busy')
   local last = tonumber(rel[3] or now)
   if rel[4] == '1' and now > last then
-    local elapsed = (now - last) / 1000
-    local decay = math.exp(-elapsed / cfg.window)
-    redis.call('HSET', K_REL, 'bytes', tostring(tonumber(rel[1] or '0') * decay),
-      'seconds', tostring(tonumber(rel[2] or '0') * decay + elapsed))
+    local b, secs = decayed(tonumber(rel[1] or '0'), tonumber(rel[2] or '0'), (now - last) / 1000)
+    redis.call('HSET', K_REL, 'bytes', string.format('%.17g', b), 'seconds', string.format('%.17g', secs))
   end
   if now > last or not rel[3] then redis.call('HSET', K_REL, 'last', int(now)) end
 end
@@ -160,25 +166,21 @@ end
 -- waiters admitted, decayed by the seconds it had a waiter, and those seconds. Called before every
 -- change of 'waiting', so waiting > 0 says whether it had one since 'alast'.
 local function admissions_advance(a)
-  if a.waiting > 0 and now > a.alast then
-    local elapsed = (now - a.alast) / 1000
-    local decay = math.exp(-elapsed / cfg.window)
-    a.abytes = a.abytes * decay
-    a.asecs = a.asecs * decay + elapsed
-  end
+  if a.waiting > 0 and now > a.alast then a.abytes, a.asecs = decayed(a.abytes, a.asecs, (now - a.alast) / 1000) end
   if now > a.alast then a.alast = now end
 end
 
--- That rate as if advanced to now (DrainRate.rate_at): 0 until cfg.span seconds with a waiter.
-local function admission_rate(a)
-  local b, secs = a.abytes, a.asecs
-  if a.waiting > 0 and now > a.alast then
-    local elapsed = (now - a.alast) / 1000
-    local decay = math.exp(-elapsed / cfg.window)
-    b, secs = b * decay, secs * decay + elapsed
-  end
+-- A rate from its decayed sums (_drain.drain_rate): 0 until a release and cfg.span weighted seconds.
+local function rate_of(b, secs)
   if b > 0 and secs >= cfg.span then return b / secs end
   return 0
+end
+
+-- The admission rate as if advanced to now (DrainRate.rate_at).
+local function admission_rate(a)
+  local b, secs = a.abytes, a.asecs
+  if a.waiting > 0 and now > a.alast then b, secs = decayed(b, secs, (now - a.alast) / 1000) end
+  return rate_of(b, secs)
 end
 
 local function tenant_holds(t, n, leases)

@@ -13,7 +13,7 @@ from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _redis_lua as lua
-from ._drain import MIN_BUSY_SPAN, RATE_WINDOW
+from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, drain_rate
 from ._fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing
 from ._ledger_contract import DeviceStatistics, LedgerStatistics
 from ._prediction import predicted_wait
@@ -68,8 +68,8 @@ class Beat:
 
     @property
     def release_rate(self) -> float:
-        """Bytes given back per busy second, as the in-process ledger computes it (``_drain``)."""
-        return self.released_bytes / max(self.busy_seconds, MIN_BUSY_SPAN) if self.released_bytes > 0 else 0.0
+        """Bytes given back per busy second as of the snapshot's instant, by the in-process ledger's rule (``_drain``)."""
+        return drain_rate(self.released_bytes, self.busy_seconds)
 
     def statistics(
         self,

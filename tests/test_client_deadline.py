@@ -5,6 +5,7 @@ otherwise it queues with its own, shorter timeout. Both ledgers decide alike."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from gpu_asgi import (
     RouteSpec,
     gpu_bound,
 )
+from gpu_asgi._drain import RATE_WINDOW
 
 from . import _redis
 from ._asgi import client, wait_until
@@ -211,11 +213,13 @@ async def redis_ledger(redis_server: RedisServer, namespace: str) -> AsyncIterat
 
 @pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not on PATH")
 async def test_the_redis_ledger_decides_the_same(redis_ledger: Callable[..., Any]) -> None:
-    ledger = redis_ledger(max_wait=1000)
-    # 10,000 bytes released within well under a second of busy time: the rate is at most 10,000
-    # bytes per second (busy time counts as at least 1 s), so NEED bytes behind a full budget are
-    # predicted to wait 5 s or more (at most 600, the clamp).
-    (await ledger.reserve(10_000)).release()
+    clock = Clock()  # the ledger's time; the waits below are real
+    ledger = redis_ledger(max_wait=1000, clock=clock)
+    # 10,000 bytes released after 2 s of busy time (a rate needs a busy second): about 5,200 bytes
+    # per second, so NEED bytes behind a full budget are predicted to wait about 9.7 s.
+    reservation = await ledger.reserve(10_000)
+    clock.advance(2)
+    reservation.release()
     holder = await ledger.reserve(CAPACITY)
     stats = await ledger.refresh_statistics()
     assert stats.release_rate_bytes_per_second > 0 and stats.reserved_bytes == CAPACITY
@@ -265,8 +269,11 @@ async def test_the_redis_decision_uses_the_state_when_the_request_must_queue(
 ) -> None:
     """The snapshot says the budget is free; another worker has since taken all of it: the
     request is refused at once, from Redis's state, and leaves no ticket behind."""
-    ledger, other = redis_ledger(**STALE), redis_ledger(**STALE)
-    (await ledger.reserve(10_000)).release()
+    clock = Clock()  # a rate needs a busy second
+    ledger, other = redis_ledger(**STALE, clock=clock), redis_ledger(**STALE, clock=clock)
+    reservation = await ledger.reserve(10_000)
+    clock.advance(2)
+    reservation.release()
     await _redis.eventually(lambda: redis_server.ledger_state(namespace)["reserved"] == 0)
     stats = await ledger.refresh_statistics()
     assert stats.reserved_bytes == 0 and stats.release_rate_bytes_per_second > 0
@@ -275,7 +282,7 @@ async def test_the_redis_decision_uses_the_state_when_the_request_must_queue(
 
     response = await post(app_for(ledger), "2")
     assert response.status_code == 503 and response.json()["type"].endswith(":deadline-unmeetable")
-    assert int(response.headers["retry-after"]) >= 5  # NEED bytes behind a full budget at <= 10,000 B/s
+    assert int(response.headers["retry-after"]) >= 5  # NEED bytes behind a full budget at about 5,200 B/s
     assert redis_server.ledger_state(namespace)["tickets"] == 0  # it never joined the queue
     holder.release()
 
@@ -336,7 +343,8 @@ async def test_a_request_that_must_queue_is_decided_on_the_state_of_that_moment(
 async def test_an_idle_tenant_is_ordered_by_its_remembered_virtual_time(backend: Backend) -> None:
     """Tenant "d" (no configured policy) held 100 bytes for 10 s and went idle: it is remembered
     with that virtual time (1,000), above the backlogged "x" (0), so "x"'s four waiters are ahead
-    of it and it is predicted (4 x 20 + 20) / 10 = 10 s: refused with a limit of 5 s. The Redis
+    of it and it is predicted (4 x 20 + 20) bytes over 100 bytes per 10 busy seconds (8.5
+    weighted, ``_drain``) = 8.5 s: refused with a limit of 5 s. The Redis
     ledger's decision reads the arriving tenant's account too, not only the active ones' (a
     tenant that is neither active nor configured would otherwise count as new: 2 s, queued)."""
     ledger = backend.make(100, max_wait=1000)
@@ -350,7 +358,7 @@ async def test_an_idle_tenant_is_ordered_by_its_remembered_virtual_time(backend:
     await backend.queued(ledger, 4)
     with pytest.raises(DeadlineUnmeetable) as refused:
         await asyncio.wait_for(ledger.reserve(20, tenant="d", wait_limit=5), 10)  # fail, never hang
-    assert refused.value.retry_after == pytest.approx(10)
+    assert refused.value.retry_after == pytest.approx(RATE_WINDOW * -math.expm1(-10 / RATE_WINDOW))
     assert waiting_now(backend, ledger) == 4
     for task in waiters:
         task.cancel()

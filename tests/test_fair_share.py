@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, QueueTimeout, Reservation, TenantPolicy
-from gpu_asgi._drain import DrainRate
+from gpu_asgi._drain import RATE_WINDOW, DrainRate
 from gpu_asgi._fair_share import NO_LEAD, Lead, Standing, arrival_vt, lift, measure
 from gpu_asgi._prediction import predicted_wait
 
@@ -406,8 +407,9 @@ def test_an_admission_rate_counts_the_seconds_waited_since_the_last_admission() 
     assert rate.rate_at(0.9) == 0.0  # nothing admitted yet
     rate.advance(2.5, busy=True)
     rate.released(100)  # admitted after 2 s of waiting
-    assert rate.rate_at(2.5) == pytest.approx(100 / 2)
-    assert rate.rate_at(6.5) < rate.rate_at(4.5) < 50  # still waiting, nothing admitted: slower
+    two = RATE_WINDOW * -math.expm1(-2 / RATE_WINDOW)  # 2 s of waiting, weighted: about 1.93
+    assert rate.rate_at(2.5) == pytest.approx(100 / two)
+    assert rate.rate_at(6.5) < rate.rate_at(4.5) < 100 / two  # still waiting, nothing admitted: slower
     rate.advance(3.0, busy=False)  # its queue emptied: idle time does not count
     assert rate.rate_at(60.0) == rate.rate_at(3.0)
     short = DrainRate(0.0)

@@ -13,6 +13,16 @@ from gpu_asgi._drain import RATE_WINDOW, DrainRate
 from ._asgi import settle
 
 
+def busy(seconds: float) -> float:
+    """The drain rate's weighted busy seconds after ``seconds`` of busy time from none."""
+    return RATE_WINDOW * -math.expm1(-seconds / RATE_WINDOW)
+
+
+#: The rate right after a release of 100 bytes at the end of every busy second (the setup below):
+#: 100 / busy(1), about 101.7 bytes per busy second.
+STEADY_100 = 100 / busy(1)
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -188,8 +198,11 @@ async def test_retry_after_follows_the_observed_release_rate() -> None:
         clock.now += 1
         reservation.release()
     holder = await ledger.reserve(1000)
-    assert ledger.release_rate() == pytest.approx(100.0, rel=0.15)
-    assert ledger.retry_after(500) == pytest.approx(5.0, rel=0.15)  # 500 bytes behind a full device
+    assert ledger.release_rate() == pytest.approx(STEADY_100)
+    assert ledger.retry_after(500) == pytest.approx(500 / STEADY_100)  # 500 bytes behind a full device
+    clock.now += 3  # no release since: the rate is read as of now, slower the longer nothing comes back
+    later = STEADY_100 * busy(10) * math.exp(-3 / RATE_WINDOW) / busy(13)
+    assert ledger.release_rate() == pytest.approx(later) and ledger.retry_after(500) == pytest.approx(500 / later)
     holder.release()
 
 
@@ -199,16 +212,18 @@ def test_the_release_rate_counts_only_busy_time_that_moves_forward() -> None:
     rate = DrainRate(100.0)
     rate.advance(100.0, busy=True)
     rate.advance(101.5, busy=True)
-    assert (rate.seconds, rate.last) == (1.5, 101.5)
+    first = RATE_WINDOW * (1 - math.exp(-1.5 / RATE_WINDOW))
+    assert (rate.seconds, rate.last) == (first, 101.5)
     rate.released(30)
     for now in (101.5, 90.0):
         rate.advance(now, busy=True)
-        assert (rate.bytes, rate.seconds, rate.last) == (30.0, 1.5, 101.5)
+        assert (rate.bytes, rate.seconds, rate.last) == (30.0, first, 101.5)
     rate.advance(102.5, busy=False)
     decay = math.exp(-1.0 / RATE_WINDOW)
-    assert (rate.bytes, rate.seconds, rate.last, rate.busy) == (30.0 * decay, 1.5 * decay + 1.0, 102.5, False)
+    seconds = first * decay + RATE_WINDOW * (1 - decay)
+    assert (rate.bytes, rate.seconds, rate.last, rate.busy) == (30.0 * decay, seconds, 102.5, False)
     rate.advance(200.0, busy=True)  # idle: neither decayed nor counted
-    assert (rate.bytes, rate.seconds, rate.last) == (30.0 * decay, 1.5 * decay + 1.0, 200.0)
+    assert (rate.bytes, rate.seconds, rate.last) == (30.0 * decay, seconds, 200.0)
 
 
 async def test_idle_time_does_not_drag_the_release_rate_down() -> None:
@@ -219,13 +234,16 @@ async def test_idle_time_does_not_drag_the_release_rate_down() -> None:
         reservation = await ledger.reserve(100)
         clock.now += 1
         reservation.release()
+    assert ledger.release_rate() == pytest.approx(STEADY_100)
     for gap in (20, 3600):
+        before = ledger.release_rate()
         clock.now += gap
-        assert ledger.release_rate() == pytest.approx(100.0, rel=0.15)
+        assert ledger.release_rate() == before  # idle: neither decayed nor counted
         holder = await ledger.reserve(1000)
-        assert ledger.retry_after(500) == pytest.approx(5.0, rel=0.15)
+        assert ledger.retry_after(500) == pytest.approx(500 / before)
         clock.now += 10
-        holder.release()  # 1000 bytes over 10 busy seconds: the same rate
+        holder.release()  # 1000 bytes over 10 busy seconds: about the same rate
+        assert ledger.release_rate() == pytest.approx(STEADY_100, rel=0.15)
 
 
 async def test_retry_after_counts_the_bytes_ahead_of_the_request() -> None:
@@ -233,7 +251,7 @@ async def test_retry_after_counts_the_bytes_ahead_of_the_request() -> None:
     one. A larger waiter that does not fit is passed, a lower priority one waits behind it."""
     clock = FakeClock()
     ledger = Ledger(1000, clock=clock, max_wait=30)
-    for _ in range(10):  # 100 bytes per busy second
+    for _ in range(10):  # 100 bytes per busy second (STEADY_100)
         reservation = await ledger.reserve(100)
         clock.now += 1
         reservation.release()
@@ -241,21 +259,21 @@ async def test_retry_after_counts_the_bytes_ahead_of_the_request() -> None:
     big = asyncio.ensure_future(ledger.reserve(900))  # class 10
     low = asyncio.ensure_future(ledger.reserve(200, priority=-1))  # class 8, lower priority
     await settle()
-    assert ledger.retry_after(300) == pytest.approx(3.0)  # class 9: nothing ahead of it
-    assert ledger.retry_after(250, priority=-1) == pytest.approx(4.5)  # the 200 at its priority
-    assert ledger.retry_after(600) == pytest.approx(15.0)  # the 900 (its class); not the lower-priority 200
+    assert ledger.retry_after(300) == pytest.approx(300 / STEADY_100)  # class 9: nothing ahead of it
+    assert ledger.retry_after(250, priority=-1) == pytest.approx(450 / STEADY_100)  # the 200 at its priority
+    assert ledger.retry_after(600) == pytest.approx(1500 / STEADY_100)  # the 900 (its class), not the 200
     holder.release()
     for task in (big, low):
         (await task).release()
 
 
-@pytest.mark.parametrize(("max_bypass", "expected"), [(8, 19.0), (20, 10.0)])
-async def test_retry_after_counts_a_larger_head_that_claims_before_the_request(max_bypass: int, expected: float) -> None:
+@pytest.mark.parametrize(("max_bypass", "ahead"), [(8, 1800), (20, 900)])
+async def test_retry_after_counts_a_larger_head_that_claims_before_the_request(max_bypass: int, ahead: int) -> None:
     """Nine smaller waiters ahead pass a larger head at most ``max_bypass`` times: with 8, the
     ninth admission ahead finds it claiming its device, so its 900 bytes go first too."""
     clock = FakeClock()
     ledger = Ledger(1000, clock=clock, max_wait=30, max_bypass=max_bypass)
-    for _ in range(10):  # 100 bytes per busy second
+    for _ in range(10):  # 100 bytes per busy second (STEADY_100)
         reservation = await ledger.reserve(100)
         clock.now += 1
         reservation.release()
@@ -263,7 +281,7 @@ async def test_retry_after_counts_a_larger_head_that_claims_before_the_request(m
     tasks = [asyncio.ensure_future(ledger.reserve(900))]
     tasks += [asyncio.ensure_future(ledger.reserve(100)) for _ in range(9)]
     await settle()
-    assert ledger.retry_after(100) == pytest.approx(expected)
+    assert ledger.retry_after(100) == pytest.approx((ahead + 100) / STEADY_100)
     for task in tasks:
         task.cancel()
     holder.release()

@@ -442,10 +442,10 @@ class TwoLedgersMachine(LedgerMachine):
     )
     def predict_for_a_deadline(self, nbytes: int, choice: int, priority: int, tenant: str) -> None:
         """What each ledger decides a deadline on, asked where ``reserve(wait_limit=...)`` asks it:
-        granted at once by both, or the same predicted wait from both, on the in-process state and
-        on the state the reserve script returns (its flag set: no ticket taken). The drain rate is
-        set alike on both sides: Redis decays it at every script, the in-process ledger only at
-        grants and releases, so after a tick the two rates differ a little (docs/benchmarks.md)."""
+        granted at once by both, or the same drain rate and predicted wait from both, on the
+        in-process state and on the state the reserve script returns (its flag set: no ticket
+        taken), at any instant: the rate is read as of now in both, after ticks too, though Redis
+        advances it at every script and the in-process ledger only at grants and releases."""
         assert self.redis is not None
         devices = DEVICE_CHOICES[choice]
         quota = self.memory.ledger.tenant_policy(tenant).quota_bytes
@@ -462,7 +462,11 @@ class TwoLedgersMachine(LedgerMachine):
             self.compare()
             return
         assert isinstance(answer, Beat), f"the in-process ledger must queue, Redis answered {answer}"
-        rate = 7.0  # bytes per second, both sides
+        assert answer.release_rate == pytest.approx(memory.release_rate(), rel=1e-9)
+        expected = memory.retry_after(nbytes, priority=priority, tenant=tenant)
+        predicted = answer.retry_after(CAPACITIES, nbytes, memory.max_wait, priority, MAX_BYPASS, tenant)
+        assert predicted == pytest.approx(expected, rel=1e-9)
+        rate = 7.0  # the same rate on both sides: the rest of the model alike, to the bit
         expected = predicted_wait_now(memory, nbytes, priority, tenant, rate)
         same_rate = dataclasses.replace(answer, released_bytes=rate, busy_seconds=1.0)
         assert same_rate.retry_after(CAPACITIES, nbytes, memory.max_wait, priority, MAX_BYPASS, tenant) == expected

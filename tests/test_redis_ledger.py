@@ -279,7 +279,8 @@ async def test_shrink_gives_bytes_to_a_waiter_of_another_worker(
 async def test_statistics_and_retry_after_cover_every_worker(
     make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
 ) -> None:
-    first, second = make_ledger(100), make_ledger(100)
+    clock = Clock()  # the ledgers' time (a drain rate needs a busy second); the waits are real
+    first, second = make_ledger(100, clock=clock), make_ledger(100, clock=clock)
     mine, theirs = await first.reserve(30), await second.reserve(50)
     waiter = asyncio.ensure_future(second.reserve(60))
     await eventually(queued(redis_server, namespace, 1))
@@ -287,6 +288,7 @@ async def test_statistics_and_retry_after_cover_every_worker(
     assert (stats.reserved_bytes, stats.in_flight, stats.waiting, stats.waiting_bytes) == (80, 2, 1, 60)
     assert stats.admitted_total == 2 and stats.capacity_bytes == 100
     assert first.statistics() == stats  # the sync view is the last snapshot
+    clock.advance(2)
     mine.release()
     theirs.release()
     (await asyncio.wait_for(waiter, 5)).release()
@@ -301,9 +303,12 @@ async def test_retry_after_counts_the_same_bytes_ahead_as_the_in_process_ledger(
 ) -> None:
     """Nine 100-byte waiters behind a 900-byte one: with max_bypass=8 the larger head claims
     before a new 100-byte request's turn, so 1,800 bytes are ahead of it (as in Ledger)."""
-    ledger = make_ledger(1000, max_bypass=8)
+    clock = Clock()  # the ledger's time (a drain rate needs a busy second); the waits are real
+    ledger = make_ledger(1000, max_bypass=8, clock=clock)
     for _ in range(3):  # a drain rate to predict from
-        (await ledger.reserve(100)).release()
+        reservation = await ledger.reserve(100)
+        clock.advance(1)
+        reservation.release()
     holder = await ledger.reserve(1000)
     tasks = [asyncio.ensure_future(ledger.reserve(900))]
     await eventually(queued(redis_server, namespace, 1))
