@@ -34,6 +34,7 @@ from gpu_asgi import (
     gpu_reservation,
     ledger_from_url,
 )
+from gpu_asgi import redis_ledger
 from gpu_asgi.redis_ledger import RedisLedger
 
 from . import _redis
@@ -232,10 +233,13 @@ async def test_a_waiter_that_times_out_leaves_the_shared_queue(
 
 
 async def test_a_waiter_cancelled_after_its_grant_passes_the_bytes_on(
-    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     holder_worker = make_ledger(100)
     # No wake-ups and a long poll: the grant sits in Redis, unclaimed, when the waiter is cancelled.
+    # Without a subscription a waiter polls at UNSUBSCRIBED_POLL_INTERVAL, not poll_interval: on a
+    # loaded machine its 0.05 s let the waiter claim the grant before the test cancelled it.
+    monkeypatch.setattr(redis_ledger, "UNSUBSCRIBED_POLL_INTERVAL", 30.0)
     sleepy = make_ledger(100, notify=False, poll_interval=30.0, lease_ttl=60.0)
     holder = await holder_worker.reserve(100)
     waiter = asyncio.ensure_future(sleepy.reserve(40))
