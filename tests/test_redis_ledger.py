@@ -7,6 +7,7 @@ real multi-process runs are in test_redis_workers.py, the faults in test_redis_f
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -33,8 +34,9 @@ from gpu_asgi import (
     gpu_bound,
     gpu_reservation,
     ledger_from_url,
+    redis_ledger,
 )
-from gpu_asgi import redis_ledger
+from gpu_asgi._drain import RATE_WINDOW
 from gpu_asgi.redis_ledger import RedisLedger
 
 from . import _redis
@@ -399,14 +401,18 @@ async def test_a_wait_for_a_pooled_connection_is_not_redis_being_down(
 
 # -- the Retry-After of a refusal: from Redis's state at that instant, as in-process ------------
 
+#: The drain rate's weighted busy seconds after 10 busy seconds (docs/admission.md, "Retry-After").
+BUSY_10S = RATE_WINDOW * (1 - math.exp(-10 / RATE_WINDOW))
+
 
 async def idle_tenant_behind_a_backlog(
     backend: Backend, **options: Any
 ) -> tuple[BudgetLedger, Reservation, list[asyncio.Task[Reservation]]]:
-    """Tenant "d" (not configured) held 100 bytes for 10 s and went idle: a drain rate of 10 bytes
-    per busy second, and d's virtual time 1,000. Then "x" holds the whole budget and queues four
-    waiters of 20 bytes (x's virtual time 0: ahead of d). A request of d for 20 bytes is therefore
-    told (4 x 20 + 20) / 10 = 10 s. The ledger, x's holder and x's waiters."""
+    """Tenant "d" (not configured) held 100 bytes for 10 s and went idle: a drain rate of 100 bytes
+    per ``BUSY_10S`` weighted busy seconds, and d's virtual time 1,000. Then "x" holds the whole
+    budget and queues four waiters of 20 bytes (x's virtual time 0: ahead of d). A request of d for
+    20 bytes is therefore told (4 x 20 + 20) / (100 / BUSY_10S) = BUSY_10S s. The ledger, x's
+    holder and x's waiters."""
     ledger = backend.make(100, max_wait=1000, **options)
     reservation = await ledger.reserve(100, tenant="d")
     backend.clock.advance(10)
@@ -427,7 +433,8 @@ async def refused(
     ``QueueTimeout``: d queues behind them and gives up after 0.2 s), and for Redis what its
     heartbeat snapshot would have said: one from before the backlog (``"stale"``: no drain rate
     yet, so ``max_wait``'s 600 s), or one refreshed just before (``"fresh"``: it has no row for
-    the idle, unconfigured d, which then counts as a newcomer ordered first: 2 s)."""
+    the idle, unconfigured d, which then counts as a newcomer ordered first: 20 bytes' worth,
+    ``BUSY_10S / 5`` s)."""
     async with open_ledgers(kind, clock=Clock(), server=server, name=name) as backend:
         options = {"max_queue": 4} if refusal is QueueFull else {}
         ledger, holder, waiters = await idle_tenant_behind_a_backlog(backend, **options)
@@ -445,7 +452,7 @@ async def refused(
         return caught.value.retry_after, hint
 
 
-@pytest.mark.parametrize("snapshot, snapshot_says", [("stale", 600.0), ("fresh", 2.0)])
+@pytest.mark.parametrize("snapshot, snapshot_says", [("stale", 600.0), ("fresh", BUSY_10S / 5)])
 @pytest.mark.parametrize("refusal", [QueueFull, QueueTimeout])
 async def test_a_refusals_retry_after_is_the_in_process_ledgers_on_the_same_state(
     redis_server: RedisServer,
@@ -456,14 +463,14 @@ async def test_a_refusals_retry_after_is_the_in_process_ledgers_on_the_same_stat
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """queue-full and queue-timeout on Redis used to answer from the heartbeat snapshot (wrong
-    both ways: 600 s or 2 s); now from Redis's state when the script refused the request, or just
-    after the timed-out waiter left the queue (as in-process: its own 20 bytes no longer count,
-    else 12 s)."""
+    both ways: 600 s or a fifth of the right answer); now from Redis's state when the script
+    refused the request, or just after the timed-out waiter left the queue (as in-process: its own
+    20 bytes no longer count, else 1.2 times the answer)."""
     monkeypatch.setattr("gpu_asgi.redis_ledger.TIMEOUT_STATE_WAIT", 10.0)  # however loaded the machine
     memory, _ = await refused("memory", redis_server, namespace, snapshot, refusal)
     shared, hint = await refused("redis", redis_server, namespace, snapshot, refusal)
     assert hint == pytest.approx(snapshot_says)  # what the old answer was
-    assert memory == pytest.approx(10)
+    assert memory == pytest.approx(BUSY_10S)
     assert shared == memory
 
 
