@@ -297,11 +297,8 @@ class RedisLedger:
             if leaving is not None:
                 done, _ = await asyncio.wait([leaving], timeout=TIMEOUT_STATE_WAIT)
                 state_after = leaving.result() if done else None
-            hint = (
-                self.retry_after(nbytes, priority=priority, tenant=tenant)
-                if state_after is None
-                else self._retry_after(state_after, nbytes, priority, tenant)
-            )
+            # Redis's state just after the waiter left; the heartbeat's snapshot if it did not come in time.
+            hint = self._retry_after(upkeep.beat if state_after is None else state_after, nbytes, priority, tenant)
             raise QueueTimeout(
                 f"No GPU memory became free for {nbytes} bytes within {wait:g} s.", retry_after=hint
             ) from None
