@@ -122,3 +122,20 @@ async def test_the_admission_steps_benchmark_runs_on_this_code() -> None:
     results = await run(requests=5, rounds=1)  # raises if an admit() is not granted
     assert "the ledger's share of admit() after a bare request (Ledger - GrantingLedger)" in results
     assert all(us == us and abs(us) < 1e6 for us in results.values())  # finite, not NaN
+
+
+def test_the_instruction_count_benchmark_drives_every_case(tmp_path: Path) -> None:
+    """docs/benchmarks.md's instruction counts come from this benchmark's child, which valgrind
+    runs: it must drive every variant of every case (``drive`` asserts each answer is a 200), and
+    the totals are read from callgrind's profile format."""
+    from .benchmarks import bench_overhead_instructions as bench
+
+    for framework, route, path, method in bench.timed.CASES:
+        bench.child(framework, path, method, bench.variants(route), requests=3)
+    profile = tmp_path / "callgrind.out.1"
+    profile.write_bytes(b"# callgrind format\nevents: Ir\nsummary: 123456\ntotals: 123456\n")
+    assert bench.total(profile) == 123456
+    tagged = bench.ratios({"bare": 100.0, "gpu_asgi": 400.0, "floor": 200.0}, tagged=True)
+    assert tagged["times_floor"] == 3.0 and tagged["met"]
+    untagged = bench.ratios({"bare": 97.0, "gpu_asgi": 100.0, "pass-through": 98.0, "watching": 99.0}, tagged=False)
+    assert abs(untagged["ratio"] - 0.97) < 1e-12 and untagged["met"]
