@@ -191,6 +191,16 @@ def test_verdict_judges_each_bar_by_its_threshold() -> None:
     assert deadline_cells[0].startswith("met: 85.0% fewer") and deadline_cells[1].startswith("NOT met: 85.0% fewer")
 
 
+def test_verdict_of_a_deadline_run_that_served_nothing_by_the_last_arrival_is_not_met_not_a_crash() -> None:
+    """A tiny real-time run on a loaded machine may serve nothing before its last arrival: the
+    deadline cell then says not met (as deadline_drop does for its own ratios), it does not divide by 0."""
+    nothing = {"timeout": 10, "ok": 5, "tokens": 50, "oom": 0, "ok_in_window": 0, "tokens_in_window": 0}
+    deadlines = {("a", 4.0): {False: nothing, True: {**nothing, "timeout": 1}}}
+    rows = {row[0]: row[2:] for row in verdict({}, deadlines, {"a": 0})}
+    (cell,) = rows["timeouts >= 80% fewer with deadlines on, equal or better goodput (served by the last arrival)"]
+    assert cell.startswith("NOT met: 90.0% fewer") and "nan" in cell
+
+
 @requires_redis_server
 def test_the_redis_deadline_runs_cover_the_in_process_ones_arrival_sequences(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
