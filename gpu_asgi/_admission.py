@@ -89,7 +89,7 @@ async def admit(
     middleware: GPUAdmissionMiddleware, spec: RouteSpec, scope: Scope, receive: Receive, send: Send
 ) -> Granted | None:
     """Read the body, estimate and reserve: what the endpoint gets, or None once gpu_asgi has
-    answered the request itself (a refusal) or the client has left (nothing reserved)."""
+    answered the request itself (a refusal, or the 499 of a client that left; nothing reserved)."""
     scope[ADMITTING_SCOPE_KEY] = True  # before the body read, which may pass through an outer middleware
     try:
         asyncio.get_running_loop()
@@ -108,8 +108,9 @@ async def admit(
         if raw_timeout is not None:
             wait_limit = client_wait(raw_timeout, middleware._wait_cap if wait_limit is None else wait_limit)
         body = await read_body(receive, middleware.max_body_bytes, middleware.body_timeout, middleware._deadlines)
-        if body is None:
-            return None  # the client left while sending: nobody to answer, nothing reserved
+        if body is None:  # the client left while sending: nothing reserved
+            await middleware.answer_departed(scope, send, spec)
+            return None
         request = parse_request(body, spec, lambda: route_name(scope))
         max_new_tokens = request.max_new_tokens
         thermal = middleware.thermal
@@ -154,8 +155,9 @@ async def admit(
     except GPUAdmissionError as error:
         await middleware._answer(send, scope, error, spec)
         return None
-    if reservation is None:
-        return None  # disconnected while queued: never admitted
+    if reservation is None:  # disconnected while queued: never admitted
+        await middleware.answer_departed(scope, send, spec)
+        return None
 
     admission = Admission(
         reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics, estimator, request.sampling

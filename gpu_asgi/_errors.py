@@ -115,6 +115,16 @@ class DeviceProbeFailed(AdmissionRejected):
     reason, title = "device-probe-failed", "The GPU's free memory could not be checked"
 
 
+class ClientClosedRequest(GPUAdmissionError):
+    """The client disconnected before the request was admitted (while sending its body, or queued).
+
+    Nobody reads this answer; it is sent for whatever records the request on its way out (an
+    access log, an outer middleware). 499 is the status nginx logs for it.
+    """
+
+    status, reason, title = 499, "client-closed-request", "The client closed the request before it was admitted"
+
+
 class LedgerUnavailable(AdmissionRejected):
     """The shared ledger (Redis) did not answer in time; admission fails closed rather than guess."""
 

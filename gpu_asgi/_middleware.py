@@ -24,7 +24,14 @@ from . import _telemetry as otel
 from ._admission import ASYNCIO_ONLY, route_name
 from ._deadlines import Deadlines
 from ._device_policy import DeviceGuard, ThermalPolicy
-from ._errors import DeadlineUnmeetable, DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
+from ._errors import (
+    ClientClosedRequest,
+    DeadlineUnmeetable,
+    DeviceMemoryLow,
+    GPUAdmissionError,
+    QueueFull,
+    QueueTimeout,
+)
 from ._estimate import Estimator, check_estimator
 from ._ledger_contract import BudgetLedger
 from ._problems import send_problem
@@ -186,6 +193,16 @@ class GPUAdmissionMiddleware:
             "after routing; admission happens at that read (FastAPI: declare a body parameter)."
         )
         await send_problem(send, error, instance=scope.get("path", ""))
+
+    async def answer_departed(self, scope: Scope, send: Send, spec: RouteSpec) -> None:
+        """The client left before admission. Nobody reads the answer, but what records the request
+        on its way out does: an access log, or an outer ``BaseHTTPMiddleware``, whose ``call_next``
+        raises "No response returned." for a request that got none."""
+        error = ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
+        try:
+            await self._answer(send, scope, error, spec)
+        except OSError:  # ASGI lets a server raise on a closed connection; nobody is left to tell
+            pass
 
     async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError, spec: RouteSpec) -> None:
         # 429 (when configured) is for overload only; a ledger or probe outage stays a 503.

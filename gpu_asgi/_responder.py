@@ -170,6 +170,13 @@ class Responder:
                 self._reservation.release()  # type: ignore[union-attr]
             return
         if state == _UNDECIDED and message["type"] == "http.response.start":  # a tagged endpoint, body unread
+            if message["status"] >= 400:
+                # Refused on its way to the endpoint, before the body read: a dependency (401),
+                # Starlette's per-route body limit (413), an exception handler. The endpoint's work
+                # did not run and nothing is reserved: the answer is theirs, untouched.
+                self._state = _PASS
+                await self._send(message)
+                return
             self._state = _ANSWERED
             await self._middleware.answer_unread(self._scope, self._send)
             raise Answered

@@ -449,7 +449,8 @@ async def test_client_that_disconnects_while_queued_is_never_admitted() -> None:
     await wait_until(lambda: ledger.statistics().waiting == 1)
     raw.disconnect()
     await raw.finish()
-    assert raw.sent == [] and not called
+    assert not called
+    assert raw.status == 499 and raw.json()["type"] == "urn:gpu-asgi:problem:client-closed-request"
     assert ledger.statistics().waiting == 0
     holder.release()
     assert ledger.statistics().admitted_total == 1  # only the holder
@@ -800,6 +801,102 @@ async def test_a_utf8_bom_body_is_admitted_as_fastapi_parses_it() -> None:
         response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 200, response.text
     assert response.json() == {"prompt_chars": 3, "held": 4}
+
+
+@pytest.mark.parametrize("when", ["queued", "sending its body"])
+async def test_a_client_that_leaves_before_admission_gets_an_answer_an_outer_base_http_middleware_can_pass_on(
+    when: str,
+) -> None:
+    """A BaseHTTPMiddleware's call_next raises "No response returned." for a request that got no
+    response; the 499 sent after the client left is what it passes on (to nobody), so nothing raises."""
+    from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+    from starlette.responses import Response
+
+    statuses: list[int] = []
+
+    class Logging(BaseHTTPMiddleware):
+        async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+            response = await call_next(request)
+            statuses.append(response.status_code)
+            return response
+
+    ledger = Ledger(100)
+    holder = await ledger.reserve(100) if when == "queued" else None
+    app = make_app(ledger, echo)
+    app.add_middleware(Logging)
+    raw = RawClient(app, http_scope(), [b'{"prompt": "a", "max_tokens": 5}'] if when == "queued" else [])
+    if when == "sending its body":  # the first half of the body, and then nothing
+        raw.incoming.put_nowait({"type": "http.request", "body": b'{"prompt": ', "more_body": True})
+    raw.start()
+    if when == "queued":
+        await wait_until(lambda: ledger.statistics().waiting == 1)
+    else:
+        await settle()
+    raw.disconnect()
+    await raw.finish()  # raises whatever escaped the app
+    assert statuses == [499]
+    assert ledger.statistics().admitted_total == (1 if holder else 0)  # the holder only
+    stats = ledger.statistics()
+    assert (stats.waiting, stats.reserved_bytes) == (0, 100 if holder else 0)
+
+
+async def test_a_server_that_raises_on_a_closed_connection_does_not_turn_the_departure_into_an_error() -> None:
+    """ASGI lets a server raise OSError from send() once the client has gone."""
+    ledger = Ledger(100)
+    holder = await ledger.reserve(100)
+    raw = RawClient(make_app(ledger, echo), http_scope(), [b'{"prompt": "a", "max_tokens": 5}'])
+    gone = False
+
+    async def send(message: dict[str, Any]) -> None:
+        if gone:
+            raise ConnectionResetError("the client has gone")
+        raw.sent.append(message)
+
+    raw.send = send  # type: ignore[method-assign]
+    raw.start()
+    await wait_until(lambda: ledger.statistics().waiting == 1)
+    gone = True
+    raw.disconnect()
+    await raw.finish()  # nothing escapes
+    assert raw.sent == [] and ledger.statistics().waiting == 0
+    holder.release()
+
+
+async def test_an_error_answer_before_the_body_read_is_passed_through_not_called_unadmitted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tagged route refused on its way to the endpoint (a dependency's 401, Starlette's per-route
+    body limit on a Content-Length over it) did no GPU work: its answer goes out as it is, with
+    nothing logged; a success without the body read is still the 500 route-not-admitted."""
+    from fastapi import HTTPException
+
+    def authorised(request: Request) -> None:
+        if request.headers.get("authorization") != "Bearer ok":
+            raise HTTPException(401, "no token")
+
+    ledger = Ledger(1000)
+    app = FastAPI()
+
+    @app.post("/generate", dependencies=[Depends(authorised)])
+    @gpu_bound()
+    async def generate(request: Request) -> dict[str, int]:
+        return {"bytes": len(await request.body())}
+
+    @gpu_bound()
+    async def limited(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(str(len(await request.body())))
+
+    app.router.routes.append(Route("/limited", limited, methods=["POST"], max_body_size=8))
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    async with client(app) as http:
+        unauthorised = await http.post("/generate", json={"prompt": "a"})
+        authorised_ = await http.post("/generate", json={"prompt": "a"}, headers={"authorization": "Bearer ok"})
+        too_large = await http.post("/limited", json={"prompt": "a b c d e f"})
+    assert unauthorised.status_code == 401 and unauthorised.json() == {"detail": "no token"}
+    assert authorised_.status_code == 200
+    assert too_large.status_code == 413 and too_large.text == "Content Too Large"  # Starlette's own answer
+    assert "unadmitted" not in caplog.text
+    assert ledger.statistics().admitted_total == 1
 
 
 @pytest.mark.parametrize("outer", ["gpu_asgi", "logging"])

@@ -237,7 +237,7 @@ async def test_disconnect_while_queued_is_recorded_and_not_an_error() -> None:
     queue = one(exporter.get_finished_spans(), otel.QUEUE_WAIT_SPAN)
     assert queue.attributes[otel.ADMISSION_OUTCOME] == otel.DISCONNECTED
     assert queue.status.status_code is StatusCode.UNSET
-    assert raw.status is None and ledger.statistics().reserved_bytes == 0
+    assert raw.status == 499 and ledger.statistics().reserved_bytes == 0  # the departed client's answer
 
 
 async def test_body_errors_make_no_queue_span() -> None:
