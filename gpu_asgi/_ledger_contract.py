@@ -10,6 +10,7 @@ It imports no ledger.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -100,8 +101,16 @@ class BudgetLedger(Protocol):
     def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None: ...
 
 
+#: Makes a reservation's read-and-update of what it holds one step. ``shrink``/``release`` may run
+#: on a worker thread while the loop releases the same reservation (the last chunk sent, the
+#: endpoint returning): without it both could read the same bytes and give them back twice. One
+#: lock for all: each holds it for a few attribute reads and writes, never across a call.
+_HOLDING = threading.Lock()
+
+
 class Reservation:
-    """Bytes held on one device. Release is idempotent; the bytes return exactly once."""
+    """Bytes held on one device. Release is idempotent; the bytes return exactly once, from any
+    thread."""
 
     __slots__ = ("_held", "_ledger", "_released", "device", "id", "requested_bytes", "tenant", "waited")
 
@@ -131,18 +140,20 @@ class Reservation:
         """Keep only ``nbytes`` (e.g. once outputs are on the host); returns the bytes given back."""
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
-        returned = max(0, self._held - nbytes)
-        if returned:  # zero once released, since nothing is held then
+        with _HOLDING:
+            returned = max(0, self._held - nbytes)  # zero once released, since nothing is held then
             self._held -= returned
+        if returned:
             self._ledger._give_back(self, returned, finished=False)
         return returned
 
     def release(self) -> int:
         """Return every byte still held; later calls return 0."""
-        if self._released:
-            return 0
-        self._released = True
-        returned, self._held = self._held, 0
+        with _HOLDING:
+            if self._released:
+                return 0
+            self._released = True
+            returned, self._held = self._held, 0
         self._ledger._give_back(self, returned, finished=True)
         return returned
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 
@@ -313,3 +314,39 @@ def test_bad_configuration_is_refused() -> None:
         Ledger(0)
     with pytest.raises(ValueError):
         Ledger({})
+
+
+def test_a_shrink_and_a_release_on_two_threads_give_each_byte_back_once() -> None:
+    """A worker thread shrinks while the loop releases (the endpoint returned): the thread's read
+    of what is held and its update are one step, so the bytes cannot be given back twice."""
+    given: list[int] = []
+
+    class Recorder:
+        def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+            given.append(nbytes)
+
+    slot = Reservation.__dict__["_held"]  # the slot the base class keeps what it holds in
+    releasing: list[threading.Thread] = []
+
+    class Interleaved(Reservation):
+        """Starts the other thread's release right after shrink has read what is held."""
+
+        __slots__ = ()
+
+        @property  # type: ignore[override]
+        def _held(self) -> int:
+            value: int = slot.__get__(self)
+            if not releasing:
+                releasing.append(thread := threading.Thread(target=self.release))
+                thread.start()
+                thread.join(0.2)  # it finishes in this window unless shrink's read and update are one step
+            return value
+
+        @_held.setter
+        def _held(self, value: int) -> None:
+            slot.__set__(self, value)
+
+    reservation = Interleaved(Recorder(), "r1", "cuda:0", 100, 0.0)  # type: ignore[arg-type]
+    reservation.shrink(30)
+    releasing[0].join(10)
+    assert sum(given) == 100 and reservation.nbytes == 0 and reservation.released
