@@ -530,3 +530,42 @@ async def test_a_tenant_at_its_own_queue_bound_is_told_so_as_in_process(
     assert details == dict.fromkeys(
         ("memory", "redis"), "1 requests of this tenant are already waiting for GPU memory (its limit)."
     )
+
+
+# -- the first ask is not cut short by the queue timeout -----------------------------------------
+
+
+def slow_reserve_script(ledger: RedisLedger, seconds: float) -> None:
+    """Every reserve script answers ``seconds`` late (a far Redis, a loaded one): longer than the
+    timeouts the test gives, shorter than ``redis_timeout``."""
+    scripts = ledger._scripts._scripts
+    reserve = scripts["reserve"]
+
+    async def slow(*args: Any, **options: Any) -> Any:
+        await asyncio.sleep(seconds)
+        return await reserve(*args, **options)
+
+    scripts["reserve"] = slow  # type: ignore[assignment]
+
+
+async def test_a_timeout_shorter_than_a_round_trip_still_grants_what_fits_at_once(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    """As in-process (docs/admission.md, "Bounds"): a request that fits now is granted, and its
+    timeout bounds the wait in the queue after the first ask, never the first ask's round trip."""
+    ledger = make_ledger(100)
+    slow_reserve_script(ledger, 0.2)
+    granted = [await asyncio.wait_for(ledger.reserve(10, timeout=0.001), 10)]
+    # The middleware's call for x-request-timeout: 0.001 (the deadline flag takes the same first ask).
+    granted.append(await asyncio.wait_for(ledger.reserve(10, timeout=0.001, wait_limit=0.001), 10))
+    assert [reservation.nbytes for reservation in granted] == [10, 10]
+    granted.append(await ledger.reserve(80))  # the budget is full now
+    # One that must queue still times out, counted from when it joined the queue.
+    begun = time.monotonic()
+    with pytest.raises(QueueTimeout):
+        await asyncio.wait_for(ledger.reserve(10, timeout=0.05), 10)  # fail, never hang
+    assert time.monotonic() - begun >= 0.2 + 0.05  # the slow first ask, then the whole timeout
+    await eventually(queued(redis_server, namespace, 0))
+    for reservation in granted:
+        reservation.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
