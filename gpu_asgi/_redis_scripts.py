@@ -236,17 +236,12 @@ class LedgerScripts:
     async def restore(self, id: str, nbytes: int, device: str, tenant: str) -> None:
         await self._run("restore", id, nbytes, device, tenant)
 
-    async def heartbeat(self, ids: Sequence[str]) -> Beat:
-        missing, snapshot = await self._run("heartbeat", *ids)
+    async def heartbeat(self, ids: Sequence[str], rejections: Mapping[str, int] | None = None) -> Beat:
+        """Renew ``ids``, add ``rejections`` (reason -> refusals decided without Redis) to the shared
+        counts, and return the snapshot just after."""
+        missing, snapshot = await self._run("heartbeat", json.dumps(dict(rejections or {})), *ids)
         self.boot = text(snapshot[6])
         return _beat(tuple(text(id) for id in missing), snapshot)
-
-    async def count_rejection(self, reason: str) -> None:
-        try:
-            async with asyncio.timeout(self.timeout):
-                await self.client.hincrby(self.keys[6], f"rejected:{reason}", 1)
-        except (RedisError, OSError) as exc:
-            raise RedisDown(str(exc) or type(exc).__name__) from exc
 
 
 def _beat(missing: tuple[str, ...], snapshot: Sequence[Any]) -> Beat:

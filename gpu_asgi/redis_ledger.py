@@ -190,7 +190,7 @@ class RedisLedger:
             )
         self._inner: dict[str, Reservation] = {}  # the local-ledger reservation behind a fallback one
         self._unavailable_total = 0  # rejections that never reached Redis, so counted here
-        self._statistics: tuple[Beat, int, LedgerStatistics] | None = None
+        self._statistics: tuple[Beat, int, int, LedgerStatistics] | None = None
 
     def __repr__(self) -> str:
         budgets = ", ".join(f"{name}={nbytes}" for name, nbytes in self._capacities.items())
@@ -428,8 +428,8 @@ class RedisLedger:
         return names
 
     def _count_rejection(self, reason: str) -> None:
-        """Counted in Redis, best effort: a refusal never waits on it."""
-        self._upkeep.spawn(self._upkeep.retrying(self._scripts.count_rejection, reason, tries=1))
+        """A refusal decided before any call to Redis: counted here, added to Redis by the next heartbeat."""
+        self._upkeep.tally.count(reason)
 
     def _hold(self, reservation: Reservation) -> Reservation:
         self._upkeep.held[reservation.id] = reservation
@@ -500,12 +500,16 @@ class RedisLedger:
         """
         if self._local is not None and self._upkeep.down is not None:
             return self._local.statistics()
-        beat, cached = self._upkeep.beat, self._statistics
-        if cached is None or cached[0] is not beat or cached[1] != self._unavailable_total:
-            local_rejections = {LedgerUnavailable.reason: self._unavailable_total} if self._unavailable_total else {}
+        beat, tally, cached = self._upkeep.beat, self._upkeep.tally, self._statistics
+        key = (beat, self._unavailable_total, tally.version)
+        if cached is None or cached[0] is not beat or cached[1:3] != key[1:]:
+            # This process's refusals Redis has not counted yet (the next heartbeat adds them), and
+            # its ledger-unavailable ones, which only it knows of.
+            local_rejections = tally.uncounted()
+            if self._unavailable_total:
+                local_rejections[LedgerUnavailable.reason] = self._unavailable_total
             cached = self._statistics = (
-                beat,
-                self._unavailable_total,
+                *key,
                 beat.statistics(self._capacities, local_rejections, self.tenant_policy),
             )
-        return cached[2]  # the middleware asks once per request: built once per heartbeat
+        return cached[3]  # the middleware asks once per request: built once per heartbeat
