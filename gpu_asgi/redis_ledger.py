@@ -12,7 +12,7 @@ interface and semantics with one budget per device across all of them:
   bytes come back within ``lease_ttl``; leases Redis lost while still held are put back;
 - Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
   connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger
-  with ``local_share`` of each budget; Redis back: used again without a restart. A call that is
+  with ``local_share`` of each budget and tenant quota; Redis back: used again without a restart. A call that is
   only slow leaves the request waiting.
 
 ``pip install 'gpu_asgi[redis]'``; see docs/deployment.md.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal, Self, TypeVar
@@ -178,14 +179,15 @@ class RedisLedger:
         )
         self._local: Ledger | None = None
         if on_unavailable == "local" and local_share is not None:
+            # Every process decides alone meanwhile: each gets local_share of each budget and of each quota.
             share = {name: max(1, int(nbytes * local_share)) for name, nbytes in capacities.items()}
             self._local = Ledger(
                 share,
                 max_queue=max_queue,
                 max_wait=max_wait,
                 max_bypass=max_bypass,
-                tenants=self.tenants,
-                default_tenant_policy=default_tenant_policy,
+                tenants={name: _local_policy(policy, local_share) for name, policy in self.tenants.items()},
+                default_tenant_policy=_local_policy(default_tenant_policy, local_share),
                 tenant_idle_ttl=tenant_idle_ttl,
             )
         self._inner: dict[str, Reservation] = {}  # the local-ledger reservation behind a fallback one
@@ -403,6 +405,13 @@ class RedisLedger:
                 f"local share ({exc.extensions['budget_bytes']} bytes).",
                 retry_after=self.heartbeat,
             ) from None
+        except OverTenantQuota as exc:  # within the tenant's quota (checked first), not within this share of it
+            self._unavailable_total += 1
+            raise LedgerUnavailable(
+                f"The shared GPU ledger (Redis) is unavailable and {nbytes} bytes exceed this process's "
+                f"local share of its tenant's quota ({exc.extensions['quota_bytes']} bytes).",
+                retry_after=self.heartbeat,
+            ) from None
         rid = self._upkeep.new_id()
         self._inner[rid] = inner
         return self._hold(Reservation(self, rid, inner.device, nbytes, inner.waited, tenant))
@@ -513,3 +522,11 @@ class RedisLedger:
                 beat.statistics(self._capacities, local_rejections, self.tenant_policy),
             )
         return cached[3]  # the middleware asks once per request: built once per heartbeat
+
+
+def _local_policy(policy: TenantPolicy, local_share: float) -> TenantPolicy:
+    """The policy one process applies alone while Redis is unavailable: ``local_share`` of its quota,
+    rounded down and at least one byte (as each budget's share; a quota cannot be 0 bytes)."""
+    if policy.quota_bytes is None:
+        return policy
+    return dataclasses.replace(policy, quota_bytes=max(1, int(policy.quota_bytes * local_share)))

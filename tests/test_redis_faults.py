@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from gpu_asgi import GPUAdmissionMiddleware, LedgerUnavailable, LinearEstimator, QueueTimeout, gpu_bound
+from gpu_asgi import GPUAdmissionMiddleware, LedgerUnavailable, LinearEstimator, QueueTimeout, TenantPolicy, gpu_bound
 from gpu_asgi.redis_ledger import RedisLedger
 
 from . import _redis
@@ -120,6 +120,40 @@ async def test_local_fallback_admits_within_its_share_and_hands_over_on_recovery
         reservation.release()
     await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
     await ledger.aclose()
+
+
+async def test_local_fallback_divides_each_tenants_quota_as_it_divides_the_budget(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    """Two workers with local_share=0.5 admit a tenant with a quota of 30 bytes up to 15 each
+    while Redis is away, so no more than its quota in all; a quota that rounds down to 0 bytes
+    keeps one byte, as a budget does."""
+    tenants = {"capped": TenantPolicy(quota_bytes=30), "tiny": TenantPolicy(quota_bytes=1)}
+    options = {"lease_ttl": 1.5, "redis_timeout": 0.5, "on_unavailable": "local", "local_share": 0.5}
+    workers = [
+        RedisLedger(own_redis_server.url, 100, namespace=namespace, tenants=tenants, **options)  # type: ignore[arg-type]
+        for _ in range(2)
+    ]
+    own_redis_server.stop()
+    held = [await worker.reserve(15, tenant="capped") for worker in workers]
+    for worker in workers:
+        assert not worker.available
+        with pytest.raises(QueueTimeout):
+            await worker.reserve(1, tenant="capped", timeout=0.2)  # this worker's half of the quota is held
+        with pytest.raises(LedgerUnavailable, match="local share"):
+            await worker.reserve(20, tenant="capped")  # within the quota, never within half of it
+        quotas = {row.name: row.quota_bytes for row in worker.statistics().tenants}
+        assert (quotas["capped"], quotas["tiny"]) == (15, 1)
+        held.append(await worker.reserve(1, tenant="tiny"))
+    assert sum(r.nbytes for r in held if r.tenant == "capped") == 30
+
+    own_redis_server.start()
+    await eventually(lambda: all(worker.available for worker in workers), timeout=5)
+    for reservation in held:
+        reservation.release()
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
+    for worker in workers:
+        await worker.aclose()
 
 
 async def test_a_slow_redis_fails_admission_cleanly_within_the_redis_timeout(
