@@ -153,7 +153,7 @@ class LedgerScripts:
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
         config |= {"chan": self.channel, "window": RATE_WINDOW, "span": MIN_BUSY_SPAN}
-        config |= {"warm": round(1.5 * heartbeat * 1000)}
+        config |= {"warm": round(1.5 * heartbeat * 1000), "beat": round(heartbeat * 1000)}
         # Weights go as JSON numbers (repr: exact); a quota of 0 and a max_queue of -1 mean none.
         config |= {
             "tenants": {name: _policy(p) for name, p in (tenants or {}).items()},

@@ -1,7 +1,8 @@
 """What one process owes the shared ledger, done in the background.
 
 - A heartbeat renews this process's leases and tickets (a crashed process's expire instead) and
-  brings back the shared snapshot behind ``statistics()``.
+  brings back the shared snapshot behind ``statistics()``; after a beat that did not land, the
+  next comes half a heartbeat later (see ``_heartbeat_forever``).
 - Leases Redis lost while they are still held here (a restart without persistence, an outage
   longer than the TTL) are put back, so the shared budget counts bytes really in use.
 - Wake-ups: one pub/sub subscription per process hands each grant to its waiter.
@@ -172,17 +173,18 @@ class Upkeep:
 
     # -- heartbeat and restores -------------------------------------------------------
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> bool:
+        """Renew, send the tally, take the snapshot; whether the beat landed."""
         rejections, beat = self.tally.take(), None
         try:
             beat = await self.scripts.heartbeat([*self.held, *self.waiters], rejections)
         except RedisSlow as exc:
             if not await self.probe():
                 self.went_down(exc)
-            return  # up but busy: the next beat renews
+            return False  # up but busy: the next beat renews
         except RedisDown as exc:
             self.went_down(exc)
-            return
+            return False
         finally:  # a beat with no answer (failed, slow, cancelled) leaves its counts to the next
             if beat is None:
                 self.tally.failed(rejections)
@@ -196,6 +198,7 @@ class Upkeep:
                 continue
             if (task := self.spawn(self._restore(reservation))) is not None:
                 self._restoring[rid] = task
+        return True
 
     async def _restore(self, reservation: Reservation) -> None:
         try:
@@ -209,8 +212,11 @@ class Upkeep:
 
     async def _heartbeat_forever(self) -> None:
         while not self.closed:
-            await self.refresh()
-            await asyncio.sleep(self.heartbeat)
+            landed = await self.refresh()
+            # After a beat that did not land, the next comes half a heartbeat later: across a spell
+            # in which Redis ran no script, leases age one heartbeat (_redis_lua, the lease clock),
+            # and renewing within half one of Redis serving again keeps a lease's margin.
+            await asyncio.sleep(self.heartbeat if landed else self.heartbeat / 2)
 
     async def _listen_forever(self) -> None:
         while not self.closed:

@@ -9,7 +9,9 @@ interface and semantics with one budget per device across all of them:
   a script looks only at lane heads, so its cost does not grow with the number of waiters;
 - waiters are woken by pub/sub, with a slow poll as the fallback;
 - each reservation is a lease renewed by a heartbeat (``_redis_upkeep``): a crashed worker's
-  bytes come back within ``lease_ttl``; leases Redis lost while still held are put back;
+  bytes come back within ``lease_ttl``; a spell in which Redis ran no script (stalled, cut off)
+  ages leases one heartbeat only, since nobody could renew them (``_redis_lua``, the lease
+  clock); leases Redis lost while still held are put back;
 - Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
   connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger
   with ``local_share`` of each budget and tenant quota; Redis back: used again without a restart. A call that is

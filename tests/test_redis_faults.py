@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from typing import Any
 
 import httpx
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -16,6 +19,7 @@ from gpu_asgi import GPUAdmissionMiddleware, LedgerUnavailable, LinearEstimator,
 from gpu_asgi.redis_ledger import RedisLedger
 
 from . import _redis
+from ._backends import Clock, start
 from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
 
 pytestmark = requires_redis_server
@@ -90,6 +94,66 @@ async def test_a_redis_restart_loses_no_bytes_still_held(own_redis_server: Redis
     await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
     await holder.aclose()
     await other.aclose()
+
+
+async def test_a_redis_stall_longer_than_the_lease_ttl_reaps_only_the_leases_nobody_renews(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    """Redis runs no script for three lease TTLs (stalled, or cut off from every worker; the
+    injected clock jumps as its TIME would). Nobody could renew a lease meanwhile, so leases age
+    one heartbeat across such a spell: the live holder's survives and nothing is granted over
+    it, while the lease of a worker that died before the stall is reaped within one lease TTL of
+    Redis serving again."""
+    clock = Clock()
+    options = {"lease_ttl": 30.0, "clock": clock}  # heartbeat 10 s: the test moves the clock itself
+    holder, asker, dead = (RedisLedger(own_redis_server.url, 100, namespace=namespace, **options) for _ in range(3))  # type: ignore[arg-type]
+    held = await holder.reserve(60)
+    await dead.reserve(20)
+    await asker.refresh_statistics()
+    await dead.aclose()  # the worker dies: its lease is no longer renewed
+    clock.advance(90)  # the stall: no script ran during it
+    waiter = start(asker, 30)  # fits only once a lease is reaped
+    await eventually(lambda: waiter.done() or own_redis_server.ledger_state(namespace)["queued"] == 1)
+    assert not waiter.done() and own_redis_server.ledger_state(namespace)["reserved"] == 80
+    for _ in range(2):  # Redis serves again: the live workers renew; the dead one's lease ages
+        clock.advance(9)
+        await holder.refresh_statistics()
+        await asker.refresh_statistics()
+    assert not waiter.done() and own_redis_server.ledger_state(namespace)["reserved"] == 80
+    clock.advance(9)  # 10 + 27 s of serving time since its last renewal: past its 30 s
+    await holder.refresh_statistics()
+    granted = await asyncio.wait_for(waiter, 10)
+    assert own_redis_server.ledger_state(namespace) == {**EMPTY, "reserved": 90, "leases": 2}
+    held.release()
+    granted.release()
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
+    await holder.aclose()
+    await asker.aclose()
+
+
+async def test_after_a_heartbeat_that_did_not_land_the_next_comes_half_a_heartbeat_later(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    """So a live worker renews its leases within half a heartbeat of Redis answering again: a
+    spell without scripts ages a lease one heartbeat, and the lease (three heartbeats by default)
+    keeps half a heartbeat to spare."""
+    ledger = RedisLedger(own_redis_server.url, 100, namespace=namespace, lease_ttl=6.0)  # heartbeat 2 s
+    scripts = ledger._scripts._scripts
+    heartbeat = scripts["heartbeat"]
+    beats: list[float] = []
+
+    async def fails_twice(*args: Any, **options: Any) -> Any:
+        beats.append(time.monotonic())
+        if len(beats) <= 2:
+            raise RedisConnectionError("injected")
+        return await heartbeat(*args, **options)
+
+    scripts["heartbeat"] = fails_twice  # type: ignore[assignment]
+    async with ledger:
+        await eventually(lambda: len(beats) >= 4, timeout=15)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(beats)]
+    assert all(0.9 < gap < 1.6 for gap in gaps[:2]), gaps  # after each failed beat: half a heartbeat
+    assert gaps[2] > 1.9, gaps  # after the one that landed: a whole heartbeat
 
 
 async def test_local_fallback_admits_within_its_share_and_hands_over_on_recovery(
