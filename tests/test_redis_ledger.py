@@ -442,7 +442,11 @@ async def test_a_wait_for_a_pooled_connection_is_not_redis_being_down(
         for reservation in outcomes:
             assert isinstance(reservation, Reservation)
             reservation.release()
-        await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+        # 600 releases through the one connection: some may give up after their retries (as
+        # documented), and then their leases expire: up to lease_ttl, and a heartbeat to reap them.
+        await eventually(
+            lambda: redis_server.ledger_state(namespace) == EMPTY, timeout=ledger.lease_ttl + 2 * ledger.heartbeat
+        )
     finally:
         await ledger.aclose()
 
