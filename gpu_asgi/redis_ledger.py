@@ -14,8 +14,8 @@ interface and semantics with one budget per device across all of them:
   clock); leases Redis lost while still held are put back;
 - Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
   connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger
-  with ``local_share`` of each budget and tenant quota; Redis back: used again without a restart. A call that is
-  only slow leaves the request waiting.
+  with ``local_share`` of each budget and tenant quota; Redis back: used again without a restart.
+  A call that is only slow leaves the request waiting.
 
 ``pip install 'gpu_asgi[redis]'``; see docs/deployment.md.
 """
