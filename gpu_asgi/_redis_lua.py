@@ -2,7 +2,8 @@
 
 Every key carries the hash tag ``{namespace}`` so a script's keys share one cluster slot:
 
-- ``expiry``   sorted set, lease or ticket id → expiry (server milliseconds); heartbeats renew it
+- ``expiry``   sorted set, lease or ticket id → expiry (milliseconds of the lease clock, below);
+  heartbeats renew it
 - ``lease``    hash, lease id → ``"<bytes> <device>"``
 - ``ticket``   hash, ticket id → ``{"n": bytes, "d": [devices], "p": priority, "s": sequence,
   "l": lane, "b": times passed}`` (JSON)
@@ -14,7 +15,7 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
   ``bytes:<lane>`` / ``n:<lane>``, the bytes and waiters queued in each lane (for ``Retry-After``)
 - ``released`` hash: the drain rate's decayed ``bytes`` and busy ``seconds``, ``last`` (ms), ``busy``
 - ``boot``     hash: ``id`` of this Redis dataset (set when a script finds none), ``warm`` until when
-  grants pause after a data loss
+  grants pause after a data loss, ``lost`` (ms) the time the lease clock has not counted
 - ``tenants``  set of the tenants that hold or wait; each has a hash ``tenants:<name>``: ``held``,
   ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt``, ``served``, ``credit`` and
   ``hcredit`` (floats written with ``%.17g``, so they read back exactly), ``last`` (ms), ``low`` and
@@ -34,6 +35,17 @@ their own instead. The fair share between tenants (``_fair_share``) is computed 
 arithmetic in the same order, so both ledgers reach the same floats and the same decisions.
 Tenants' weights and quotas come with the config of every call: every process sharing a
 namespace must configure the same tenants.
+
+Leases and tickets expire by a *lease clock*: the server's time less what was lost in spells in
+which no script ran at all (Redis stalled, or cut off from every worker, or restarted with its
+data), beyond one heartbeat each. Every live worker beats once per heartbeat, so a longer spell
+without scripts is one in which nobody could renew anything; it ages every lease as one heartbeat
+would. A live holder renews within half a heartbeat of Redis serving again (after a beat that did
+not land, the next comes half a heartbeat later: ``_redis_upkeep``), so between two of its renewals
+a lease ages at most one heartbeat before the spell, one across it and half one after: 2.5
+heartbeats of the 3 a default lease lasts. A crashed worker's lease still expires after
+``lease_ttl`` of serving time. A gap of up to one heartbeat counts in full, so with scripts at
+least once a heartbeat (any live worker) the lease clock keeps pace with the server's.
 
 Data loss (Redis restarted without persistence, or flushed): a caller
 that knew an earlier ``boot`` id sees a new one, so Redis lost what the workers still hold. Grants
@@ -74,6 +86,18 @@ if ARGV[2] ~= '' and ARGV[2] ~= boot then  -- the caller saw an earlier dataset:
   redis.call('HSETNX', K_BOOT, 'warm', int(now + cfg.warm))
 end
 local warming = now < tonumber(redis.call('HGET', K_BOOT, 'warm') or '0')
+
+-- The lease clock (see above): 'last' is the previous script's time (kept for the drain rate below).
+local lease_now
+do
+  local last = tonumber(redis.call('HGET', K_REL, 'last') or now)
+  local lost = tonumber(redis.call('HGET', K_BOOT, 'lost') or '0')
+  if now - last > cfg.beat then  -- nobody could renew in this spell: it counts as one heartbeat
+    lost = lost + (now - last - cfg.beat)
+    redis.call('HSET', K_BOOT, 'lost', int(lost))
+  end
+  lease_now = now - lost
+end
 
 -- A drain rate's bytes and busy seconds after 'elapsed' more busy seconds (_drain.DrainRate): both
 -- decay by d, the seconds grow by window * (1 - d), the exact continuous average, so advancing in
@@ -275,7 +299,7 @@ local function hold(id, n, dev, t)
   redis.call('HINCRBY', K_INFL, dev, 1)
   redis.call('HSET', K_LEASE, id, int(n) .. ' ' .. dev)
   redis.call('HSET', K_HOLDER, id, t)
-  redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
+  redis.call('ZADD', K_EXP, int(lease_now + cfg.ttl), id)
   tenant_holds(t, n, 1)
 end
 
@@ -329,9 +353,9 @@ local function drop_ticket(id, admitted)
   return true
 end
 
--- Expired leases and tickets (a crashed worker's); how many went.
+-- Expired leases and tickets (a crashed worker's), by the lease clock; how many went.
 local function reap()
-  local expired = redis.call('ZRANGEBYSCORE', K_EXP, '-inf', now, 'LIMIT', 0, 256)
+  local expired = redis.call('ZRANGEBYSCORE', K_EXP, '-inf', lease_now, 'LIMIT', 0, 256)
   for _, id in ipairs(expired) do
     redis.call('ZREM', K_EXP, id)
     drop_lease(id)
@@ -517,7 +541,7 @@ local function main()
   redis.call('HINCRBY', K_COUNT, 'waiting_bytes', ARG[2])
   redis.call('HINCRBY', K_COUNT, 'bytes:' .. lane, ARG[2])
   redis.call('HINCRBY', K_COUNT, 'n:' .. lane, 1)
-  redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
+  redis.call('ZADD', K_EXP, int(lease_now + cfg.ttl), id)
   dispatch()
   dev = granted_device(id)
   if dev then return {'granted', dev} end
@@ -582,19 +606,25 @@ end
 RESTORE = """
 local function main()
   if not lease_of(ARG[1]) then hold(ARG[1], tonumber(ARG[2]), ARG[3], ARG[4]) end
-  redis.call('ZADD', K_EXP, int(now + cfg.ttl), ARG[1])
+  redis.call('ZADD', K_EXP, int(lease_now + cfg.ttl), ARG[1])
   return 1
 end
 """
 
-# ARG: ids to renew. Returns the ids Redis no longer knows and the shared snapshot (with the boot id).
+# ARG: the caller's refusals decided without Redis since its last beat (JSON, reason -> count: one
+# increment per reason), then the ids to renew. Returns the ids Redis no longer knows and the shared
+# snapshot (with the boot id).
 HEARTBEAT = """
 local function main()
+  for reason, n in pairs(cjson.decode(ARG[1])) do
+    redis.call('HINCRBY', K_COUNT, 'rejected:' .. reason, int(n))
+  end
   reap()
   local missing = {}
-  for _, id in ipairs(ARG) do
+  for i = 2, #ARG do
+    local id = ARG[i]
     if redis.call('ZSCORE', K_EXP, id) then
-      redis.call('ZADD', K_EXP, int(now + cfg.ttl), id)
+      redis.call('ZADD', K_EXP, int(lease_now + cfg.ttl), id)
     else
       missing[#missing + 1] = id
     end

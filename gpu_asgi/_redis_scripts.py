@@ -153,7 +153,7 @@ class LedgerScripts:
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
         config |= {"chan": self.channel, "window": RATE_WINDOW, "span": MIN_BUSY_SPAN}
-        config |= {"warm": round(1.5 * heartbeat * 1000)}
+        config |= {"warm": round(1.5 * heartbeat * 1000), "beat": round(heartbeat * 1000)}
         # Weights go as JSON numbers (repr: exact); a quota of 0 and a max_queue of -1 mean none.
         config |= {
             "tenants": {name: _policy(p) for name, p in (tenants or {}).items()},
@@ -236,17 +236,12 @@ class LedgerScripts:
     async def restore(self, id: str, nbytes: int, device: str, tenant: str) -> None:
         await self._run("restore", id, nbytes, device, tenant)
 
-    async def heartbeat(self, ids: Sequence[str]) -> Beat:
-        missing, snapshot = await self._run("heartbeat", *ids)
+    async def heartbeat(self, ids: Sequence[str], rejections: Mapping[str, int] | None = None) -> Beat:
+        """Renew ``ids``, add ``rejections`` (reason -> refusals decided without Redis) to the shared
+        counts, and return the snapshot just after."""
+        missing, snapshot = await self._run("heartbeat", json.dumps(dict(rejections or {})), *ids)
         self.boot = text(snapshot[6])
         return _beat(tuple(text(id) for id in missing), snapshot)
-
-    async def count_rejection(self, reason: str) -> None:
-        try:
-            async with asyncio.timeout(self.timeout):
-                await self.client.hincrby(self.keys[6], f"rejected:{reason}", 1)
-        except (RedisError, OSError) as exc:
-            raise RedisDown(str(exc) or type(exc).__name__) from exc
 
 
 def _beat(missing: tuple[str, ...], snapshot: Sequence[Any]) -> Beat:

@@ -1,7 +1,8 @@
 """What one process owes the shared ledger, done in the background.
 
 - A heartbeat renews this process's leases and tickets (a crashed process's expire instead) and
-  brings back the shared snapshot behind ``statistics()``.
+  brings back the shared snapshot behind ``statistics()``; after a beat that did not land, the
+  next comes half a heartbeat later (see ``_heartbeat_forever``).
 - Leases Redis lost while they are still held here (a restart without persistence, an outage
   longer than the TTL) are put back, so the shared budget counts bytes really in use.
 - Wake-ups: one pub/sub subscription per process hands each grant to its waiter.
@@ -10,6 +11,9 @@
   only slow (a busy Redis, a wait for a pooled connection) marks it down only if a ``PING`` on a
   connection of its own also goes unanswered within the timeout (``probe``).
 - Releases and queue exits are tracked tasks, retried briefly; the lease TTL backs them up.
+- Refusals decided before any call to Redis (``exceeds-budget``, ``exceeds-tenant-quota``) are
+  counted here (``Tally``) and added to Redis's counts by the next heartbeat, in the same call: a
+  burst of them costs no call, and a beat that fails keeps them for the next.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -39,6 +44,44 @@ RETRIES = 3
 _Result = TypeVar("_Result")
 
 logger = logging.getLogger("gpu_asgi.redis_ledger")
+
+
+class Tally:
+    """This process's refusals (reason -> count) that Redis has not counted yet."""
+
+    def __init__(self) -> None:
+        self._pending: Counter[str] = Counter()  # for the next heartbeat
+        self._sending: Counter[str] = Counter()  # in a heartbeat's call now (beats may overlap)
+        #: Changes whenever ``uncounted()`` may have; ``statistics()`` caches on it.
+        self.version = 0
+
+    def count(self, reason: str) -> None:
+        self._pending[reason] += 1
+        self.version += 1
+
+    def uncounted(self) -> dict[str, int]:
+        """Counted here, not (as far as this process knows) in Redis yet."""
+        return dict(self._pending + self._sending)
+
+    def take(self) -> dict[str, int]:
+        """The counts for a heartbeat to add; ``landed`` or ``failed`` with them once it has answered."""
+        batch = dict(self._pending)
+        self._pending.clear()
+        self._sending.update(batch)
+        return batch
+
+    def landed(self, batch: dict[str, int]) -> None:
+        self._sending.subtract(batch)
+        self._sending = +self._sending  # drop the zeros
+        self.version += 1
+
+    def failed(self, batch: dict[str, int]) -> None:
+        """Back for the next beat. A beat that was only slow (or cancelled) may have landed all the
+        same: its counts are then added twice. Rare, and the other choice is losing them."""
+        self._sending.subtract(batch)
+        self._sending = +self._sending
+        self._pending.update(batch)
+        self.version += 1
 
 
 class Upkeep:
@@ -59,6 +102,7 @@ class Upkeep:
         self.grants: dict[str, str] = {}  # waiter id -> device, from wake-ups
         self.restored: set[str] = set()  # local-fallback reservations put into Redis since
         self.beat = Beat()
+        self.tally = Tally()
         self.down: str | None = None  # why Redis is unavailable; None while it answers
         self.closed = False
         self._retry_at = 0.0
@@ -129,16 +173,23 @@ class Upkeep:
 
     # -- heartbeat and restores -------------------------------------------------------
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> bool:
+        """Renew, send the tally, take the snapshot; whether the beat landed."""
+        rejections, beat = self.tally.take(), None
         try:
-            beat = await self.scripts.heartbeat([*self.held, *self.waiters])
+            beat = await self.scripts.heartbeat([*self.held, *self.waiters], rejections)
         except RedisSlow as exc:
             if not await self.probe():
                 self.went_down(exc)
-            return  # up but busy: the next beat renews
+            return False  # up but busy: the next beat renews
         except RedisDown as exc:
             self.went_down(exc)
-            return
+            return False
+        finally:  # a beat with no answer (failed, slow, cancelled) leaves its counts to the next
+            if beat is None:
+                self.tally.failed(rejections)
+            else:
+                self.tally.landed(rejections)
         self.came_up()
         self.beat = beat
         for rid in beat.missing:
@@ -147,6 +198,7 @@ class Upkeep:
                 continue
             if (task := self.spawn(self._restore(reservation))) is not None:
                 self._restoring[rid] = task
+        return True
 
     async def _restore(self, reservation: Reservation) -> None:
         try:
@@ -160,8 +212,11 @@ class Upkeep:
 
     async def _heartbeat_forever(self) -> None:
         while not self.closed:
-            await self.refresh()
-            await asyncio.sleep(self.heartbeat)
+            landed = await self.refresh()
+            # After a beat that did not land, the next comes half a heartbeat later: across a spell
+            # in which Redis ran no script, leases age one heartbeat (_redis_lua, the lease clock),
+            # and renewing within half one of Redis serving again keeps a lease's margin.
+            await asyncio.sleep(self.heartbeat if landed else self.heartbeat / 2)
 
     async def _listen_forever(self) -> None:
         while not self.closed:
@@ -231,6 +286,13 @@ class Upkeep:
             await asyncio.wait(set(self._tasks), timeout=drain_timeout)
         for task in set(self._tasks):
             task.cancel()
+        rejections = self.tally.take()
+        if rejections:  # refusals no heartbeat has sent yet: one last call, which renews nothing
+            try:
+                await self.scripts.heartbeat([], rejections)
+            except RedisDown as exc:
+                self.tally.failed(rejections)
+                logger.warning("Redis ledger %r closed without counting %s in Redis: %s", self.name, rejections, exc)
 
 
 def cancels() -> int:

@@ -9,11 +9,13 @@ interface and semantics with one budget per device across all of them:
   a script looks only at lane heads, so its cost does not grow with the number of waiters;
 - waiters are woken by pub/sub, with a slow poll as the fallback;
 - each reservation is a lease renewed by a heartbeat (``_redis_upkeep``): a crashed worker's
-  bytes come back within ``lease_ttl``; leases Redis lost while still held are put back;
+  bytes come back within ``lease_ttl``; a spell in which Redis ran no script (stalled, cut off)
+  ages leases one heartbeat only, since nobody could renew them (``_redis_lua``, the lease
+  clock); leases Redis lost while still held are put back;
 - Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
   connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger
-  with ``local_share`` of each budget; Redis back: used again without a restart. A call that is
-  only slow leaves the request waiting.
+  with ``local_share`` of each budget and tenant quota; Redis back: used again without a restart.
+  A call that is only slow leaves the request waiting.
 
 ``pip install 'gpu_asgi[redis]'``; see docs/deployment.md.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal, Self, TypeVar
@@ -64,6 +67,9 @@ DEFAULT_MAX_CONNECTIONS = 32
 #: ``Retry-After`` (a healthy Redis answers in about a millisecond); past it, the heartbeat
 #: snapshot's, and the queue exit finishes in the background.
 TIMEOUT_STATE_WAIT = 0.1
+#: ``_ask``'s answer when a call was only slow: the request waits as if queued, and its next claim
+#: (by the same id) finds out whether the call landed. No script answers this.
+SLOW = ("waiting", "")
 
 
 class RedisLedger:
@@ -175,19 +181,20 @@ class RedisLedger:
         )
         self._local: Ledger | None = None
         if on_unavailable == "local" and local_share is not None:
+            # Every process decides alone meanwhile: each gets local_share of each budget and of each quota.
             share = {name: max(1, int(nbytes * local_share)) for name, nbytes in capacities.items()}
             self._local = Ledger(
                 share,
                 max_queue=max_queue,
                 max_wait=max_wait,
                 max_bypass=max_bypass,
-                tenants=self.tenants,
-                default_tenant_policy=default_tenant_policy,
+                tenants={name: _local_policy(policy, local_share) for name, policy in self.tenants.items()},
+                default_tenant_policy=_local_policy(default_tenant_policy, local_share),
                 tenant_idle_ttl=tenant_idle_ttl,
             )
         self._inner: dict[str, Reservation] = {}  # the local-ledger reservation behind a fallback one
         self._unavailable_total = 0  # rejections that never reached Redis, so counted here
-        self._statistics: tuple[Beat, int, LedgerStatistics] | None = None
+        self._statistics: tuple[Beat, int, int, LedgerStatistics] | None = None
 
     def __repr__(self) -> str:
         budgets = ", ".join(f"{name}={nbytes}" for name, nbytes in self._capacities.items())
@@ -233,11 +240,15 @@ class RedisLedger:
         """Reserve ``nbytes`` for ``tenant`` on one of ``devices`` from the shared budget, queueing if needed.
 
         As :meth:`Ledger.reserve <gpu_asgi.Ledger.reserve>`, plus :class:`~gpu_asgi.LedgerUnavailable`
-        when Redis fails and ``on_unavailable`` is ``"fail-closed"``. Never waits past ``timeout``
-        (default ``max_wait``) by more than ``TIMEOUT_STATE_WAIT`` (0.1 s, to read the state its
-        ``Retry-After`` is computed from), whatever Redis does. With ``wait_limit``, a request that cannot be
-        granted at once is decided on the shared state of that moment, which the reserve script
-        returns instead of queueing it; one more call then queues it (or grants it, if bytes came free).
+        when Redis fails and ``on_unavailable`` is ``"fail-closed"``. As in-process, a request that
+        fits now is granted and ``timeout`` (default ``max_wait``) bounds the wait in the queue: the
+        first ask, which grants at once what fits, is not cut short by it (its one call, two with
+        ``wait_limit``, each bounded by ``redis_timeout``, and a slow one by as long again for the
+        probe's ``PING``). Once the request has joined the queue it never waits past ``timeout`` by
+        more than ``TIMEOUT_STATE_WAIT`` (0.1 s, to read the state its ``Retry-After`` is computed
+        from), whatever Redis does. With ``wait_limit``, a request that cannot be granted at once is
+        decided on the shared state of that moment, which the reserve script returns instead of
+        queueing it; one more call then queues it (or grants it, if bytes came free).
         """
         check_priority(priority)
         names = self._allowed(devices, nbytes)
@@ -250,33 +261,23 @@ class RedisLedger:
         upkeep.start()
         loop = asyncio.get_running_loop()
         wait = self.max_wait if timeout is None else timeout
-        start, deadline, cancelled = loop.time(), loop.time() + min(wait, MAX_TIMEOUT), cancels()
+        queue_wait, start, cancelled = min(wait, MAX_TIMEOUT), loop.time(), cancels()
         if upkeep.skipping():
-            return await self._fallback(nbytes, names, priority, deadline, tenant)
+            return await self._fallback(nbytes, names, priority, queue_wait, tenant)
         rid = upkeep.new_id()
         wake = upkeep.waiters[rid] = asyncio.Event()
-        settled, reason, limit = False, "", wait_limit  # limit: None once the deadline is decided
+        settled, reason = False, ""
+        deadline: float | None = None  # set once the first ask has answered
         try:
+            # The first ask, outside the timeout: it grants what fits now, else joins the queue.
+            state, detail, limit = await self._join(rid, nbytes, names, priority, tenant, wait_limit)
+            deadline = loop.time() + queue_wait
             async with asyncio.timeout_at(deadline):
-                state, detail = "gone", ""
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
                         raise asyncio.CancelledError
-                    if state == "gone":  # not queued yet (first ask, a slow one), or Redis lost the queue: join
-                        answer = await self._ask(
-                            self._scripts.reserve(rid, nbytes, names, priority, tenant, wait=limit is not None)
-                        )
-                        if isinstance(answer, Beat):  # it must queue: the deadline decision, on that moment's state
-                            refusal = self._unmeetable(answer, nbytes, priority, tenant, limit)
-                            if refusal is not None:
-                                settled = True  # no ticket was taken
-                                raise refusal
-                            limit = None
-                            answer = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
-                        if isinstance(answer, Full):
-                            settled = True  # no ticket was taken
-                            raise self._queue_full(answer, nbytes, priority, tenant)
-                        state, detail = answer
+                    if state == "gone":  # the first ask was only slow and did not land, or Redis lost the queue
+                        state, detail, limit = await self._join(rid, nbytes, names, priority, tenant, limit)
                         continue
                     poll = self.poll_interval if upkeep.listening else UNSUBSCRIBED_POLL_INTERVAL
                     with contextlib.suppress(TimeoutError):
@@ -289,6 +290,9 @@ class RedisLedger:
                     state, detail = ("granted", granted) if granted else await self._ask(self._scripts.claim(rid))
             settled = True
             return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start, tenant))
+        except (DeadlineUnmeetable, QueueFull):
+            settled = True  # refused by the reserve script: no ticket was taken
+            raise
         except TimeoutError:
             reason = QueueTimeout.reason
             leaving = upkeep.spawn(self._leave_and_read(rid, reason, tenant))
@@ -309,7 +313,33 @@ class RedisLedger:
             upkeep.grants.pop(rid, None)
             if not settled:  # leave the queue, and give back a lease granted as we gave up
                 upkeep.leave(rid, reason)
-        return await self._fallback(nbytes, names, priority, deadline, tenant)
+        # Redis failed: the local ledger's queue gets what is left of the wait (all of it, if the
+        # request never joined Redis's queue).
+        remaining = queue_wait if deadline is None else max(0.0, deadline - loop.time())
+        return await self._fallback(nbytes, names, priority, remaining, tenant)
+
+    async def _join(
+        self, rid: str, nbytes: int, names: tuple[str, ...], priority: int, tenant: str, wait_limit: float | None
+    ) -> tuple[str, str, float | None]:
+        """Ask the reserve script: ``(state, detail)`` granted or queued (or ``SLOW``'s waiting, for a
+        claim to find out), and the ``wait_limit`` still to be decided at a next join (None once it is).
+
+        With ``wait_limit``, the deadline decision on the state the script returns when the request
+        cannot be granted at once, then one more call to queue it. Raises the refusals
+        (:class:`~gpu_asgi.DeadlineUnmeetable`, :class:`~gpu_asgi.QueueFull`), which take no ticket.
+        """
+        scripts = self._scripts
+        answer = await self._ask(scripts.reserve(rid, nbytes, names, priority, tenant, wait=wait_limit is not None))
+        if answer == SLOW:  # it may not have landed: a join after the claim says "gone" decides the deadline
+            return *SLOW, wait_limit
+        if isinstance(answer, Beat):  # it must queue: the deadline decision, on that moment's state
+            refusal = self._unmeetable(answer, nbytes, priority, tenant, wait_limit)
+            if refusal is not None:
+                raise refusal
+            answer = await self._ask(scripts.reserve(rid, nbytes, names, priority, tenant))
+        if isinstance(answer, Full):
+            raise self._queue_full(answer, nbytes, priority, tenant)
+        return *answer, None
 
     def _unmeetable(
         self, beat: Beat, nbytes: int, priority: int, tenant: str, wait_limit: float | None
@@ -347,19 +377,19 @@ class RedisLedger:
         return beat.retry_after(self._capacities, nbytes, self.max_wait, priority, self.max_bypass, tenant)
 
     async def _ask(self, call: Awaitable[_Answer]) -> _Answer | tuple[str, str]:
-        """A script's answer; ``("waiting", "")`` when it was only slow and Redis answers the probe
-        (the next claim, by the same id, finds out what happened)."""
+        """A script's answer; ``SLOW`` when it was only slow and Redis answers the probe (the next
+        claim, by the same id, finds out what happened)."""
         try:
             answer = await call
         except RedisSlow:
             if not await self._upkeep.probe():
                 raise
-            return "waiting", ""
+            return SLOW
         self._upkeep.came_up()
         return answer
 
     async def _fallback(
-        self, nbytes: int, names: tuple[str, ...], priority: int, deadline: float, tenant: str
+        self, nbytes: int, names: tuple[str, ...], priority: int, timeout: float, tenant: str
     ) -> Reservation:
         local = self._local
         if local is None:
@@ -368,14 +398,20 @@ class RedisLedger:
                 f"The shared GPU ledger (Redis) is unavailable ({self._upkeep.down}); admission fails closed.",
                 retry_after=self.heartbeat,
             )
-        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
         try:
-            inner = await local.reserve(nbytes, devices=names, priority=priority, timeout=remaining, tenant=tenant)
+            inner = await local.reserve(nbytes, devices=names, priority=priority, timeout=timeout, tenant=tenant)
         except NeverFits as exc:
             self._unavailable_total += 1
             raise LedgerUnavailable(
                 f"The shared GPU ledger (Redis) is unavailable and {nbytes} bytes exceed this process's "
                 f"local share ({exc.extensions['budget_bytes']} bytes).",
+                retry_after=self.heartbeat,
+            ) from None
+        except OverTenantQuota as exc:  # within the tenant's quota (checked first), not within this share of it
+            self._unavailable_total += 1
+            raise LedgerUnavailable(
+                f"The shared GPU ledger (Redis) is unavailable and {nbytes} bytes exceed this process's "
+                f"local share of its tenant's quota ({exc.extensions['quota_bytes']} bytes).",
                 retry_after=self.heartbeat,
             ) from None
         rid = self._upkeep.new_id()
@@ -403,8 +439,8 @@ class RedisLedger:
         return names
 
     def _count_rejection(self, reason: str) -> None:
-        """Counted in Redis, best effort: a refusal never waits on it."""
-        self._upkeep.spawn(self._upkeep.retrying(self._scripts.count_rejection, reason, tries=1))
+        """A refusal decided before any call to Redis: counted here, added to Redis by the next heartbeat."""
+        self._upkeep.tally.count(reason)
 
     def _hold(self, reservation: Reservation) -> Reservation:
         self._upkeep.held[reservation.id] = reservation
@@ -475,12 +511,24 @@ class RedisLedger:
         """
         if self._local is not None and self._upkeep.down is not None:
             return self._local.statistics()
-        beat, cached = self._upkeep.beat, self._statistics
-        if cached is None or cached[0] is not beat or cached[1] != self._unavailable_total:
-            local_rejections = {LedgerUnavailable.reason: self._unavailable_total} if self._unavailable_total else {}
+        beat, tally, cached = self._upkeep.beat, self._upkeep.tally, self._statistics
+        key = (beat, self._unavailable_total, tally.version)
+        if cached is None or cached[0] is not beat or cached[1:3] != key[1:]:
+            # This process's refusals Redis has not counted yet (the next heartbeat adds them), and
+            # its ledger-unavailable ones, which only it knows of.
+            local_rejections = tally.uncounted()
+            if self._unavailable_total:
+                local_rejections[LedgerUnavailable.reason] = self._unavailable_total
             cached = self._statistics = (
-                beat,
-                self._unavailable_total,
+                *key,
                 beat.statistics(self._capacities, local_rejections, self.tenant_policy),
             )
-        return cached[2]  # the middleware asks once per request: built once per heartbeat
+        return cached[3]  # the middleware asks once per request: built once per heartbeat
+
+
+def _local_policy(policy: TenantPolicy, local_share: float) -> TenantPolicy:
+    """The policy one process applies alone while Redis is unavailable: ``local_share`` of its quota,
+    rounded down and at least one byte (as each budget's share; a quota cannot be 0 bytes)."""
+    if policy.quota_bytes is None:
+        return policy
+    return dataclasses.replace(policy, quota_bytes=max(1, int(policy.quota_bytes * local_share)))

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from typing import Any
 
 import httpx
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from gpu_asgi import GPUAdmissionMiddleware, LedgerUnavailable, LinearEstimator, QueueTimeout, gpu_bound
+from gpu_asgi import GPUAdmissionMiddleware, LedgerUnavailable, LinearEstimator, QueueTimeout, TenantPolicy, gpu_bound
 from gpu_asgi.redis_ledger import RedisLedger
 
 from . import _redis
+from ._backends import Clock, start
 from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
 
 pytestmark = requires_redis_server
@@ -92,6 +96,66 @@ async def test_a_redis_restart_loses_no_bytes_still_held(own_redis_server: Redis
     await other.aclose()
 
 
+async def test_a_redis_stall_longer_than_the_lease_ttl_reaps_only_the_leases_nobody_renews(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    """Redis runs no script for three lease TTLs (stalled, or cut off from every worker; the
+    injected clock jumps as its TIME would). Nobody could renew a lease meanwhile, so leases age
+    one heartbeat across such a spell: the live holder's survives and nothing is granted over
+    it, while the lease of a worker that died before the stall is reaped within one lease TTL of
+    Redis serving again."""
+    clock = Clock()
+    options = {"lease_ttl": 30.0, "clock": clock}  # heartbeat 10 s: the test moves the clock itself
+    holder, asker, dead = (RedisLedger(own_redis_server.url, 100, namespace=namespace, **options) for _ in range(3))  # type: ignore[arg-type]
+    held = await holder.reserve(60)
+    await dead.reserve(20)
+    await asker.refresh_statistics()
+    await dead.aclose()  # the worker dies: its lease is no longer renewed
+    clock.advance(90)  # the stall: no script ran during it
+    waiter = start(asker, 30)  # fits only once a lease is reaped
+    await eventually(lambda: waiter.done() or own_redis_server.ledger_state(namespace)["queued"] == 1)
+    assert not waiter.done() and own_redis_server.ledger_state(namespace)["reserved"] == 80
+    for _ in range(2):  # Redis serves again: the live workers renew; the dead one's lease ages
+        clock.advance(9)
+        await holder.refresh_statistics()
+        await asker.refresh_statistics()
+    assert not waiter.done() and own_redis_server.ledger_state(namespace)["reserved"] == 80
+    clock.advance(9)  # 10 + 27 s of serving time since its last renewal: past its 30 s
+    await holder.refresh_statistics()
+    granted = await asyncio.wait_for(waiter, 10)
+    assert own_redis_server.ledger_state(namespace) == {**EMPTY, "reserved": 90, "leases": 2}
+    held.release()
+    granted.release()
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
+    await holder.aclose()
+    await asker.aclose()
+
+
+async def test_after_a_heartbeat_that_did_not_land_the_next_comes_half_a_heartbeat_later(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    """So a live worker renews its leases within half a heartbeat of Redis answering again: a
+    spell without scripts ages a lease one heartbeat, and the lease (three heartbeats by default)
+    keeps half a heartbeat to spare."""
+    ledger = RedisLedger(own_redis_server.url, 100, namespace=namespace, lease_ttl=6.0)  # heartbeat 2 s
+    scripts = ledger._scripts._scripts
+    heartbeat = scripts["heartbeat"]
+    beats: list[float] = []
+
+    async def fails_twice(*args: Any, **options: Any) -> Any:
+        beats.append(time.monotonic())
+        if len(beats) <= 2:
+            raise RedisConnectionError("injected")
+        return await heartbeat(*args, **options)
+
+    scripts["heartbeat"] = fails_twice  # type: ignore[assignment]
+    async with ledger:
+        await eventually(lambda: len(beats) >= 4, timeout=15)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(beats)]
+    assert all(0.9 < gap < 1.6 for gap in gaps[:2]), gaps  # after each failed beat: half a heartbeat
+    assert gaps[2] > 1.9, gaps  # after the one that landed: a whole heartbeat
+
+
 async def test_local_fallback_admits_within_its_share_and_hands_over_on_recovery(
     own_redis_server: RedisServer, namespace: str
 ) -> None:
@@ -122,6 +186,40 @@ async def test_local_fallback_admits_within_its_share_and_hands_over_on_recovery
     await ledger.aclose()
 
 
+async def test_local_fallback_divides_each_tenants_quota_as_it_divides_the_budget(
+    own_redis_server: RedisServer, namespace: str
+) -> None:
+    """Two workers with local_share=0.5 admit a tenant with a quota of 30 bytes up to 15 each
+    while Redis is away, so no more than its quota in all; a quota that rounds down to 0 bytes
+    keeps one byte, as a budget does."""
+    tenants = {"capped": TenantPolicy(quota_bytes=30), "tiny": TenantPolicy(quota_bytes=1)}
+    options = {"lease_ttl": 1.5, "redis_timeout": 0.5, "on_unavailable": "local", "local_share": 0.5}
+    workers = [
+        RedisLedger(own_redis_server.url, 100, namespace=namespace, tenants=tenants, **options)  # type: ignore[arg-type]
+        for _ in range(2)
+    ]
+    own_redis_server.stop()
+    held = [await worker.reserve(15, tenant="capped") for worker in workers]
+    for worker in workers:
+        assert not worker.available
+        with pytest.raises(QueueTimeout):
+            await worker.reserve(1, tenant="capped", timeout=0.2)  # this worker's half of the quota is held
+        with pytest.raises(LedgerUnavailable, match="local share"):
+            await worker.reserve(20, tenant="capped")  # within the quota, never within half of it
+        quotas = {row.name: row.quota_bytes for row in worker.statistics().tenants}
+        assert (quotas["capped"], quotas["tiny"]) == (15, 1)
+        held.append(await worker.reserve(1, tenant="tiny"))
+    assert sum(r.nbytes for r in held if r.tenant == "capped") == 30
+
+    own_redis_server.start()
+    await eventually(lambda: all(worker.available for worker in workers), timeout=5)
+    for reservation in held:
+        reservation.release()
+    await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
+    for worker in workers:
+        await worker.aclose()
+
+
 async def test_a_slow_redis_fails_admission_cleanly_within_the_redis_timeout(
     own_redis_server: RedisServer, namespace: str
 ) -> None:
@@ -145,16 +243,22 @@ async def test_a_slow_redis_fails_admission_cleanly_within_the_redis_timeout(
     await ledger.aclose()
 
 
-async def test_max_wait_bounds_admission_even_when_redis_is_slower(
+async def test_the_timeout_bounds_a_queued_request_even_when_redis_is_slower(
     own_redis_server: RedisServer, namespace: str
 ) -> None:
+    """Once queued, a request gives up at its timeout (plus TIMEOUT_STATE_WAIT), whatever Redis
+    does: here it stalls for longer than the timeout, within ``redis_timeout``. (Its first ask is
+    bounded by ``redis_timeout``, not the timeout: it grants what fits at once, as in-process.)"""
     ledger = RedisLedger(own_redis_server.url, 100, namespace=namespace, lease_ttl=3.0, redis_timeout=10.0)
-    await ledger.refresh_statistics()  # connected before the stall
-    stalled = await stall(own_redis_server, 2.0)
-    started = time.monotonic()
+    holder = await ledger.reserve(100)
+    begun = time.monotonic()
+    waiter = asyncio.ensure_future(ledger.reserve(10, timeout=1.0))
+    await eventually(lambda: own_redis_server.ledger_state(namespace)["queued"] == 1)
+    stalled = await stall(own_redis_server, 3.0)
     with pytest.raises(QueueTimeout):
-        await ledger.reserve(10, timeout=0.3)
-    assert time.monotonic() - started < 1.5
+        await asyncio.wait_for(waiter, 10)
+    assert time.monotonic() - begun < 2.5  # the timeout and at most 0.1 s, not the stall's 3 s
     await stalled
+    holder.release()
     await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY, timeout=10)
     await ledger.aclose()

@@ -27,6 +27,7 @@ from gpu_asgi import (
     Ledger,
     LinearEstimator,
     NeverFits,
+    OverTenantQuota,
     QueueFull,
     QueueTimeout,
     Reservation,
@@ -149,8 +150,55 @@ async def test_request_larger_than_budget_is_rejected_at_once(make_ledger: MakeL
     assert caught.value.extensions == {"required_bytes": 101, "budget_bytes": 100}
     with pytest.raises(ValueError, match="unknown device"):
         await ledger.reserve(1, devices=["cuda:7"])
-    await asyncio.sleep(0.1)  # the count travels to Redis in the background
-    assert (await ledger.refresh_statistics()).rejected_total == {"exceeds-budget": 1}
+    assert ledger.statistics().rejected_total == {"exceeds-budget": 1}  # this process's count, at once
+    assert (await ledger.refresh_statistics()).rejected_total == {"exceeds-budget": 1}  # and Redis's
+
+
+async def test_a_burst_of_refusals_before_redis_is_counted_exactly_without_a_call_each(
+    make_ledger: MakeLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """exceeds-budget and exceeds-tenant-quota are decided in Python, before any call to Redis: the
+    process counts them (its statistics() shows them at once) and its next heartbeat adds them to
+    Redis in the same call; a heartbeat that fails keeps them for the next one."""
+    tenants = {"capped": TenantPolicy(quota_bytes=10)}
+    ledger, other = make_ledger(40, tenants=tenants), make_ledger(40, tenants=tenants)
+    await ledger.refresh_statistics()
+    calls: list[object] = []
+    execute = ledger._client.execute_command
+
+    async def counted(*args: Any, **options: Any) -> Any:
+        calls.append(args[0])
+        return await execute(*args, **options)
+
+    monkeypatch.setattr(ledger._client, "execute_command", counted)
+
+    async def refused(nbytes: int, tenant: str = "default") -> None:
+        with pytest.raises((NeverFits, OverTenantQuota)):
+            await ledger.reserve(nbytes, tenant=tenant)
+
+    await asyncio.gather(*(refused(100) for _ in range(500)), *(refused(20, "capped") for _ in range(100)))
+    counts = {"exceeds-budget": 500, "exceeds-tenant-quota": 100}
+    assert ledger.statistics().rejected_total == counts
+    await asyncio.sleep(0.2)  # time for any call the refusals started in the background
+    assert len(calls) <= 2, calls  # at most the heartbeat's, never one per refusal
+
+    scripts = ledger._scripts._scripts
+    heartbeat = scripts["heartbeat"]
+
+    async def fails_once(*args: Any, **options: Any) -> Any:
+        scripts["heartbeat"] = heartbeat
+        raise RedisConnectionError("injected")
+
+    scripts["heartbeat"] = fails_once  # type: ignore[assignment]
+    await ledger.refresh_statistics()
+    assert scripts["heartbeat"] is heartbeat and not ledger.available  # that beat failed ...
+    assert ledger.statistics().rejected_total == counts  # ... and kept the counts
+    await ledger.refresh_statistics()
+    assert (await other.refresh_statistics()).rejected_total == counts  # in Redis, each once
+    await refused(100)
+    await ledger.aclose()  # shutting down sends what no heartbeat has
+    counts["exceeds-budget"] += 1
+    assert (await other.refresh_statistics()).rejected_total == counts
 
 
 async def test_waiters_of_two_workers_are_admitted_in_one_fifo_order(
@@ -394,7 +442,11 @@ async def test_a_wait_for_a_pooled_connection_is_not_redis_being_down(
         for reservation in outcomes:
             assert isinstance(reservation, Reservation)
             reservation.release()
-        await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+        # 600 releases through the one connection: some may give up after their retries (as
+        # documented), and then their leases expire: up to lease_ttl, and a heartbeat to reap them.
+        await eventually(
+            lambda: redis_server.ledger_state(namespace) == EMPTY, timeout=ledger.lease_ttl + 2 * ledger.heartbeat
+        )
     finally:
         await ledger.aclose()
 
@@ -530,3 +582,42 @@ async def test_a_tenant_at_its_own_queue_bound_is_told_so_as_in_process(
     assert details == dict.fromkeys(
         ("memory", "redis"), "1 requests of this tenant are already waiting for GPU memory (its limit)."
     )
+
+
+# -- the first ask is not cut short by the queue timeout -----------------------------------------
+
+
+def slow_reserve_script(ledger: RedisLedger, seconds: float) -> None:
+    """Every reserve script answers ``seconds`` late (a far Redis, a loaded one): longer than the
+    timeouts the test gives, shorter than ``redis_timeout``."""
+    scripts = ledger._scripts._scripts
+    reserve = scripts["reserve"]
+
+    async def slow(*args: Any, **options: Any) -> Any:
+        await asyncio.sleep(seconds)
+        return await reserve(*args, **options)
+
+    scripts["reserve"] = slow  # type: ignore[assignment]
+
+
+async def test_a_timeout_shorter_than_a_round_trip_still_grants_what_fits_at_once(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    """As in-process (docs/admission.md, "Bounds"): a request that fits now is granted, and its
+    timeout bounds the wait in the queue after the first ask, never the first ask's round trip."""
+    ledger = make_ledger(100)
+    slow_reserve_script(ledger, 0.2)
+    granted = [await asyncio.wait_for(ledger.reserve(10, timeout=0.001), 10)]
+    # The middleware's call for x-request-timeout: 0.001 (the deadline flag takes the same first ask).
+    granted.append(await asyncio.wait_for(ledger.reserve(10, timeout=0.001, wait_limit=0.001), 10))
+    assert [reservation.nbytes for reservation in granted] == [10, 10]
+    granted.append(await ledger.reserve(80))  # the budget is full now
+    # One that must queue still times out, counted from when it joined the queue.
+    begun = time.monotonic()
+    with pytest.raises(QueueTimeout):
+        await asyncio.wait_for(ledger.reserve(10, timeout=0.05), 10)  # fail, never hang
+    assert time.monotonic() - begun >= 0.2 + 0.05  # the slow first ask, then the whole timeout
+    await eventually(queued(redis_server, namespace, 0))
+    for reservation in granted:
+        reservation.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
