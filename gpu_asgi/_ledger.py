@@ -187,10 +187,9 @@ class Ledger:
         """
         check_priority(priority)
         allowed = self._allowed(devices, nbytes)
-        fits = self._fits_quota(tenant, nbytes)  # forget_idle below forgets no bytes held: still true
+        fits = self._fits_quota(tenant, nbytes)
         self._bind()
         now = self._clock()
-        self._fair.forget_idle(now)
         if not self._waiting and fits:
             device = _place(nbytes, allowed)
             if device is not None:

@@ -504,6 +504,47 @@ async def test_a_tenant_is_idle_from_its_last_release_not_its_first() -> None:
     assert set(ledger._fair.accounts) == {"other"}
 
 
+async def test_a_tenant_back_after_the_idle_ttl_starts_afresh(backend: Backend) -> None:
+    """Forgotten means forgotten on every path: "gone" held 10 bytes for 2 s (20 byte-seconds),
+    then idled past the ttl; back through the middleware's path (``try_reserve`` where the ledger
+    has one, else ``reserve``), its account starts from 0 in both ledgers."""
+    ledger = backend.make(100, tenant_idle_ttl=1.0)
+    held = await ledger.reserve(10, tenant="gone")
+    backend.clock.advance(2)
+    held.release()
+    if backend.kind == "memory":
+        backend.clock.advance(1.0)
+    else:  # Redis expires the idle tenant's hash by its own clock
+        assert backend.server is not None
+        key = "{" + ledger.namespace + "}:tenants:gone"  # type: ignore[attr-defined]
+        with backend.server.client() as client:
+            await eventually(lambda: not client.exists(key), timeout=10)
+    back = ledger.try_reserve(10, tenant="gone") or await ledger.reserve(10, tenant="gone")
+    backend.clock.advance(1)
+    rows = {t.name: t for t in (await statistics(ledger)).tenants}
+    assert rows["gone"].served_byte_seconds == 10.0  # not 30: the 20 from before the ttl are forgotten
+    back.release()
+
+
+async def test_idle_tenants_are_forgotten_on_the_try_reserve_path_too() -> None:
+    """The middleware's path when nobody waits: one new tenant a second, each idle at once, with
+    a ttl of 100 s. The accounts kept never exceed the 99 tenants idle for less than the ttl and the
+    one just admitted, however many tenants come and go."""
+    clock = Clock()
+    ledger = Ledger(1000, tenant_idle_ttl=100.0, clock=clock)
+    kept = []
+    for i in range(2000):
+        reservation = ledger.try_reserve(10, tenant=f"t{i}")
+        assert reservation is not None
+        kept.append(len(ledger._fair.accounts))
+        reservation.release()
+        clock.advance(1)
+    assert max(kept) == 100 and kept[-1] == 100
+    clock.advance(100)
+    ledger.retry_after(10, tenant="t1999")  # a read at an instant forgets first, as every write does
+    assert ledger._fair.accounts == {}
+
+
 @_redis.requires_redis_server
 async def test_a_ticket_queued_by_an_older_version_counts_as_the_default_tenant(
     redis_server: RedisServer, namespace: str

@@ -43,6 +43,7 @@ from gpu_asgi import (
 from gpu_asgi import _telemetry as otel
 
 from ._asgi import RawClient, Words, client, http_scope, wait_until
+from ._backends import Clock
 
 
 @gpu_bound()
@@ -389,6 +390,23 @@ async def test_the_gauges_read_the_ledgers_own_tenant_statistics() -> None:
     # that is no longer set keeps its last value).
     parsed = scrape(metrics)
     assert (gauge("reserved_bytes", "other"), gauge("reserved_share_ratio", "other"), gauge("reserved_bytes", "gold")) == (0, 0, 0)
+
+
+async def test_idle_header_tenants_are_forgotten_when_nobody_waits() -> None:
+    """Through the middleware, where an uncongested server admits with ``try_reserve``: 300
+    distinct tenant keys, then an hour later one request. Only its tenant is remembered (the ttl
+    is 5 s), as the Redis ledger's expiry would leave it."""
+    clock = Clock()
+    ledger = Ledger(1000, tenant_idle_ttl=5.0, clock=clock)
+    app = make_app(ledger, tenant_key=TenantKey.header("x-tenant-id"))
+    async with client(app) as http:
+        for i in range(300):
+            response = await http.post("/generate", json={"prompt": "a b"}, headers={"x-tenant-id": f"t{i}"})
+            assert response.status_code == 200
+        assert len(ledger._fair.accounts) == 300  # idle for less than the ttl: remembered
+        clock.advance(3600)
+        assert (await http.post("/generate", json={"prompt": "a b"}, headers={"x-tenant-id": "steady"})).status_code == 200
+    assert set(ledger._fair.accounts) == {"steady"}
 
 
 async def test_without_a_tenant_key_no_tenant_is_looked_for(monkeypatch: pytest.MonkeyPatch) -> None:
