@@ -37,7 +37,7 @@ from ._ledger_contract import (
     check_priority,
 )
 from ._prediction import predicted_wait, size_class
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, fixed_policies
 
 
 class _Device:
@@ -86,8 +86,8 @@ class Ledger:
     of device name to budget. Derive budgets with :func:`budget_bytes`: weights and runtime
     overhead come off once there, never per request. A ledger serves one event loop at a time;
     a reservation may be shrunk or released from any thread. ``tenants`` name weights and quotas
-    (any other tenant gets ``default_tenant_policy``); a tenant with nothing held or waiting is
-    forgotten after ``tenant_idle_ttl`` seconds.
+    (any other tenant gets ``default_tenant_policy``), fixed for the ledger's life; a tenant with
+    nothing held or waiting is forgotten after ``tenant_idle_ttl`` seconds.
     """
 
     def __init__(
@@ -114,7 +114,8 @@ class Ledger:
         self.max_wait = max_wait
         self.max_bypass = max_bypass
         #: Weights and quotas of the tenants named in advance; any other tenant gets the default.
-        self.tenants = dict(tenants or {})
+        #: Read-only, fixed when the ledger is built (``fixed_policies``).
+        self.tenants = fixed_policies(tenants)
         self.default_tenant_policy = default_tenant_policy
         self._fair = FairShare(self.tenants, default_tenant_policy, tenant_idle_ttl)
         self._clock = clock

@@ -7,7 +7,9 @@ business; the ledgers only see the key and the policy configured for it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 #: The tenant of a request that names none.
 DEFAULT_TENANT = "default"
@@ -53,3 +55,12 @@ class TenantStatistics:
 
 #: The policy of a tenant nobody named in advance: weight 1, no quota.
 DEFAULT_POLICY = TenantPolicy()
+
+
+def fixed_policies(tenants: Mapping[str, TenantPolicy] | None) -> Mapping[str, TenantPolicy]:
+    """A ledger's ``tenants=``, copied and read-only: both ledgers' policies are fixed when the
+    ledger is built. The Redis ledger hands them to its scripts once, and the in-process ledger
+    keeps each tenant's policy in its account, so a change afterwards would be half applied, and
+    differently by the two. To change them, build a new ledger (with Redis, restart the processes
+    that share the namespace, all with the new policies)."""
+    return MappingProxyType(dict(tenants or {}))

@@ -139,9 +139,9 @@ def tenant_keys(value: TenantKey | Sequence[TenantKey] | None) -> tuple[TenantKe
 
 def named_tenants(ledger: object, labels: Collection[str] | None) -> Collection[str]:
     """The tenants that metrics and spans name: ``labels``, else the ledger's configured tenants
-    (read live, so tenants added later are named too). None may be named ``other``, the label every
-    unnamed tenant is counted under (its series would silently mix with theirs)."""
-    labels = getattr(ledger, "tenants", {}) if labels is None else frozenset(labels)
+    (fixed when the ledger was built, as its policies are). None may be named ``other``, the label
+    every unnamed tenant is counted under (its series would silently mix with theirs)."""
+    labels = frozenset(getattr(ledger, "tenants", {}) if labels is None else labels)
     if OTHER_TENANT_LABEL in labels:
         raise ValueError(
             f"a tenant named {OTHER_TENANT_LABEL!r} would share its metrics label with every unnamed tenant: rename it"

@@ -46,7 +46,7 @@ from ._ledger_contract import (
 )
 from ._redis_scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
 from ._redis_upkeep import RETRIES, Upkeep, cancels
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, fixed_policies
 
 __all__ = ["RedisLedger"]
 
@@ -135,7 +135,7 @@ class RedisLedger:
         self.on_unavailable = on_unavailable
         self.local_share = local_share
         #: As the in-process ledger's: every process sharing the namespace must name the same tenants.
-        self.tenants = dict(tenants or {})
+        self.tenants = fixed_policies(tenants)
         self.default_tenant_policy = default_tenant_policy
         self.tenant_idle_ttl = tenant_idle_ttl
         self._owns_client = isinstance(redis, str)

@@ -442,6 +442,34 @@ def test_a_tenant_queue_bound_is_an_integer_or_none() -> None:
     assert TenantPolicy(max_queue=0).max_queue == 0
 
 
+async def test_tenant_policies_are_fixed_when_the_ledger_is_built(backend: Backend) -> None:
+    """``ledger.tenants`` is a read-only copy in both ledgers: a change afterwards used to be half
+    applied (a tenant with an account kept its old policy in-process; the Redis scripts never saw
+    it, while the Python-side quota check did). Both keep applying the policies they were built with."""
+    given = {"acme": TenantPolicy(quota_bytes=30)}
+    ledger = backend.make(100, tenants=given)
+    tenants = ledger.tenants  # type: ignore[attr-defined]
+    first = await ledger.reserve(20, tenant="acme")
+    with pytest.raises(TypeError):
+        tenants["acme"] = TenantPolicy()
+    with pytest.raises(TypeError):
+        tenants["newco"] = TenantPolicy(quota_bytes=10)
+    with pytest.raises(TypeError):
+        del tenants["acme"]
+    given["acme"], given["newco"] = TenantPolicy(), TenantPolicy(quota_bytes=10)  # the caller's dict, not the ledger's
+    assert dict(ledger.tenants) == {"acme": TenantPolicy(quota_bytes=30)}  # type: ignore[attr-defined]
+    assert ledger.tenant_policy("newco") == TenantPolicy()
+    with pytest.raises(OverTenantQuota):
+        await ledger.reserve(40, tenant="acme")
+    second = start(ledger, 20, tenant="acme")  # 40 held would be over acme's 30: waits, on a GPU with room
+    assert await backend.still_waiting(second)
+    newco = [await ledger.reserve(20, tenant="newco") for _ in range(2)]  # no quota: 40 bytes held
+    first.release()
+    (await granted(second)).release()
+    for reservation in newco:
+        reservation.release()
+
+
 async def test_statistics_list_the_tenants_that_hold_or_wait_and_the_configured_ones(backend: Backend) -> None:
     clock = backend.clock
     gold = TenantPolicy(weight=3.0, quota_bytes=500)
