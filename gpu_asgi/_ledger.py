@@ -116,7 +116,6 @@ class Ledger:
         #: Weights and quotas of the tenants named in advance; any other tenant gets the default.
         #: Read-only, fixed when the ledger is built (``fixed_policies``).
         self.tenants = fixed_policies(tenants)
-        self.default_tenant_policy = default_tenant_policy
         self._fair = FairShare(self.tenants, default_tenant_policy, tenant_idle_ttl)
         self._clock = clock
         #: lane key -> seq -> waiter, FIFO. Only lane heads are ever examined.
@@ -145,6 +144,11 @@ class Ledger:
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
         return self._fair.policy(tenant)
+
+    @property
+    def default_tenant_policy(self) -> TenantPolicy:
+        """The policy of every tenant not in ``tenants``; fixed, as those are."""
+        return self._fair.default
 
     @property
     def tenant_idle_ttl(self) -> float:

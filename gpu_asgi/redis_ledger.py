@@ -136,7 +136,7 @@ class RedisLedger:
         self.local_share = local_share
         #: As the in-process ledger's: every process sharing the namespace must name the same tenants.
         self.tenants = fixed_policies(tenants)
-        self.default_tenant_policy = default_tenant_policy
+        self._default_tenant_policy = default_tenant_policy
         self.tenant_idle_ttl = tenant_idle_ttl
         self._owns_client = isinstance(redis, str)
         if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
@@ -213,6 +213,11 @@ class RedisLedger:
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
         return self.tenants.get(tenant, self.default_tenant_policy)
+
+    @property
+    def default_tenant_policy(self) -> TenantPolicy:
+        """Fixed, as ``tenants`` are: the scripts were given it once."""
+        return self._default_tenant_policy
 
     def try_reserve(
         self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT

@@ -459,6 +459,9 @@ async def test_tenant_policies_are_fixed_when_the_ledger_is_built(backend: Backe
     given["acme"], given["newco"] = TenantPolicy(), TenantPolicy(quota_bytes=10)  # the caller's dict, not the ledger's
     assert dict(ledger.tenants) == {"acme": TenantPolicy(quota_bytes=30)}  # type: ignore[attr-defined]
     assert ledger.tenant_policy("newco") == TenantPolicy()
+    with pytest.raises(AttributeError):  # nor the policy of the tenants not named
+        ledger.default_tenant_policy = TenantPolicy(quota_bytes=10)  # type: ignore[attr-defined]
+    assert ledger.default_tenant_policy == ledger.tenant_policy("newco") == TenantPolicy()  # type: ignore[attr-defined]
     with pytest.raises(OverTenantQuota):
         await ledger.reserve(40, tenant="acme")
     second = start(ledger, 20, tenant="acme")  # 40 held would be over acme's 30: waits, on a GPU with room
