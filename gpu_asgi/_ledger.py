@@ -204,6 +204,7 @@ class Ledger:
                 wait_limit, self.release_rate(), lambda: self.retry_after(nbytes, priority=priority, tenant=tenant)
             )
             if refusal is not None:
+                self._count_rejection(refusal.reason)
                 raise refusal
         if self._waiting >= self.max_queue:
             self._count_rejection(QueueFull.reason)

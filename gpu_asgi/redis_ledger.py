@@ -275,6 +275,7 @@ class RedisLedger:
                             refusal = self._unmeetable(answer, nbytes, priority, tenant, limit)
                             if refusal is not None:
                                 settled = True  # no ticket was taken
+                                self._count_rejection(refusal.reason)
                                 raise refusal
                             limit = None
                             answer = await self._ask(self._scripts.reserve(rid, nbytes, names, priority, tenant))
