@@ -184,9 +184,7 @@ class FairShare:
     """
 
     def __init__(self, policies: Mapping[str, TenantPolicy], default: TenantPolicy, idle_ttl: float) -> None:
-        if not idle_ttl > 0:
-            raise ValueError(f"tenant_idle_ttl must be positive, got {idle_ttl!r}")
-        self.policies = policies
+        self.policies = policies  # checked by the ledger (_tenancy.check_tenant_options)
         self.default = default
         self.idle_ttl = idle_ttl
         self.accounts: dict[str, Account] = {}

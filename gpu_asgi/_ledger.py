@@ -37,7 +37,7 @@ from ._ledger_contract import (
     check_priority,
 )
 from ._prediction import predicted_wait, size_class
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, fixed_policies
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
 
 
 class _Device:
@@ -107,6 +107,7 @@ class Ledger:
             raise ValueError("a ledger needs at least one device")
         if max_bypass < 0 or max_queue < 0:
             raise ValueError("max_bypass and max_queue must be >= 0")
+        check_tenant_options(tenants, default_tenant_policy, tenant_idle_ttl)
         self._devices = {name: _Device(i, name, nbytes) for i, (name, nbytes) in enumerate(capacities.items())}
         self._all = tuple(self._devices.values())
         self._largest = max(device.capacity for device in self._all)

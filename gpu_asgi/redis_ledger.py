@@ -46,7 +46,7 @@ from ._ledger_contract import (
 )
 from ._redis_scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
 from ._redis_upkeep import RETRIES, Upkeep, cancels
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, fixed_policies
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
 
 __all__ = ["RedisLedger"]
 
@@ -112,8 +112,7 @@ class RedisLedger:
             raise ValueError(
                 "heartbeat must be positive and shorter than lease_ttl (a third leaves two beats of slack)"
             )
-        if not tenant_idle_ttl > 0:
-            raise ValueError(f"tenant_idle_ttl must be positive, got {tenant_idle_ttl!r}")
+        check_tenant_options(tenants, default_tenant_policy, tenant_idle_ttl)
         if max_connections < 2:
             raise ValueError("max_connections must be at least 2: the wake-up subscription holds one")
         if on_unavailable not in ("fail-closed", "local"):
