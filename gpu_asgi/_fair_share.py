@@ -12,6 +12,7 @@ arithmetic in the same order, so both backends compute the same floats.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -173,12 +174,17 @@ class Account:
 
 
 class FairShare:
-    """Every known tenant's :class:`Account`; an idle one is forgotten after ``idle_ttl`` seconds."""
+    """Every known tenant's :class:`Account`; an idle one is forgotten after ``idle_ttl`` seconds.
+
+    Every method that reads or writes accounts at an instant ``now`` first forgets the tenants
+    idle for ``idle_ttl`` by then (``forget_idle``), so whichever path a request takes, no account
+    is kept or used past its ttl: the same as the Redis ledger, whose idle tenants' hashes expire.
+    The methods without ``now`` read only counts (held, waiting), which are 0 in an idle account as
+    in a forgotten one.
+    """
 
     def __init__(self, policies: Mapping[str, TenantPolicy], default: TenantPolicy, idle_ttl: float) -> None:
-        if not idle_ttl > 0:
-            raise ValueError(f"tenant_idle_ttl must be positive, got {idle_ttl!r}")
-        self.policies = policies
+        self.policies = policies  # checked by the ledger (_tenancy.check_tenant_options)
         self.default = default
         self.idle_ttl = idle_ttl
         self.accounts: dict[str, Account] = {}
@@ -186,11 +192,17 @@ class FairShare:
         self.active: dict[str, Account] = {}
         #: Idle tenants, oldest first, with when they became idle.
         self._idle: OrderedDict[str, float] = OrderedDict()
+        #: No later than when the oldest idle tenant became idle (inf: none is idle): until
+        #: ``idle_ttl`` has passed since, no account can have expired, and ``account`` (on every
+        #: grant and release) pays one comparison instead of a call of ``forget_idle``.
+        self._oldest_idle = math.inf
 
     def policy(self, name: str) -> TenantPolicy:
         return self.policies.get(name, self.default)
 
     def account(self, name: str, now: float) -> Account:
+        if now - self._oldest_idle >= self.idle_ttl:  # one may have expired: never revive it
+            self.forget_idle(now)
         account = self.accounts.get(name)
         if account is None:
             account = self.accounts[name] = Account(name, self.policy(name), now)
@@ -258,20 +270,30 @@ class FairShare:
                 self.active[name] = account
                 self._idle.pop(name, None)
         elif self.active.pop(name, None) is not None:  # it just turned idle: the newest idle, last
+            if not self._idle:
+                self._oldest_idle = now
             self._idle[name] = now
 
     def forget_idle(self, now: float) -> None:
-        """Drop the accounts idle for ``idle_ttl`` seconds: random tenant keys cannot grow memory."""
-        while self._idle:
-            name, since = next(iter(self._idle.items()))
+        """Drop the accounts idle for ``idle_ttl`` seconds: random tenant keys cannot grow memory.
+
+        Oldest first, so a call costs the accounts it drops (each idle spell is dropped at most
+        once) and one look at the oldest one kept, whatever the number of tenants.
+        """
+        idle = self._idle
+        while idle:
+            name, since = next(iter(idle.items()))
             if now - since < self.idle_ttl:
+                self._oldest_idle = since
                 return
-            del self._idle[name]
+            del idle[name]
             del self.accounts[name]
+        self._oldest_idle = math.inf
 
     def standings(self, now: float, tenant: str) -> dict[str, Standing]:
         """The :class:`Standing` at ``now`` of the tenants that hold or wait, and of ``tenant``
         (what ``lanes_ahead`` reads: idle tenants, however many, play no part)."""
+        self.forget_idle(now)
         accounts = dict(self.active)
         if tenant in self.accounts:
             accounts[tenant] = self.accounts[tenant]
@@ -282,6 +304,7 @@ class FairShare:
 
     def statistics(self, now: float) -> tuple[TenantStatistics, ...]:
         """Every tenant that holds or waits, and every configured one, by name."""
+        self.forget_idle(now)
         rows = []
         for name in sorted({*self.policies, *self.active}):
             account = self.accounts.get(name) or Account(name, self.policy(name), now)

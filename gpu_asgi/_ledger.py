@@ -37,7 +37,7 @@ from ._ledger_contract import (
     check_priority,
 )
 from ._prediction import predicted_wait, size_class
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
 
 
 class _Device:
@@ -86,8 +86,8 @@ class Ledger:
     of device name to budget. Derive budgets with :func:`budget_bytes`: weights and runtime
     overhead come off once there, never per request. A ledger serves one event loop at a time;
     a reservation may be shrunk or released from any thread. ``tenants`` name weights and quotas
-    (any other tenant gets ``default_tenant_policy``); a tenant with nothing held or waiting is
-    forgotten after ``tenant_idle_ttl`` seconds.
+    (any other tenant gets ``default_tenant_policy``), fixed for the ledger's life; a tenant with
+    nothing held or waiting is forgotten after ``tenant_idle_ttl`` seconds.
     """
 
     def __init__(
@@ -107,6 +107,7 @@ class Ledger:
             raise ValueError("a ledger needs at least one device")
         if max_bypass < 0 or max_queue < 0:
             raise ValueError("max_bypass and max_queue must be >= 0")
+        check_tenant_options(tenants, default_tenant_policy, tenant_idle_ttl)
         self._devices = {name: _Device(i, name, nbytes) for i, (name, nbytes) in enumerate(capacities.items())}
         self._all = tuple(self._devices.values())
         self._largest = max(device.capacity for device in self._all)
@@ -114,8 +115,8 @@ class Ledger:
         self.max_wait = max_wait
         self.max_bypass = max_bypass
         #: Weights and quotas of the tenants named in advance; any other tenant gets the default.
-        self.tenants = dict(tenants or {})
-        self.default_tenant_policy = default_tenant_policy
+        #: Read-only, fixed when the ledger is built (``fixed_policies``).
+        self.tenants = fixed_policies(tenants)
         self._fair = FairShare(self.tenants, default_tenant_policy, tenant_idle_ttl)
         self._clock = clock
         #: lane key -> seq -> waiter, FIFO. Only lane heads are ever examined.
@@ -144,6 +145,11 @@ class Ledger:
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
         return self._fair.policy(tenant)
+
+    @property
+    def default_tenant_policy(self) -> TenantPolicy:
+        """The policy of every tenant not in ``tenants``; fixed, as those are."""
+        return self._fair.default
 
     @property
     def tenant_idle_ttl(self) -> float:
@@ -187,10 +193,9 @@ class Ledger:
         """
         check_priority(priority)
         allowed = self._allowed(devices, nbytes)
-        fits = self._fits_quota(tenant, nbytes)  # forget_idle below forgets no bytes held: still true
+        fits = self._fits_quota(tenant, nbytes)
         self._bind()
         now = self._clock()
-        self._fair.forget_idle(now)
         if not self._waiting and fits:
             device = _place(nbytes, allowed)
             if device is not None:
@@ -200,6 +205,7 @@ class Ledger:
                 wait_limit, self.release_rate(), lambda: self.retry_after(nbytes, priority=priority, tenant=tenant)
             )
             if refusal is not None:
+                self._count_rejection(refusal.reason)
                 raise refusal
         if self._waiting >= self.max_queue:
             self._count_rejection(QueueFull.reason)

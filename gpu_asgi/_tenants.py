@@ -33,8 +33,9 @@ TenantCallable = Callable[[Scope, Mapping[str, Any]], "str | None"]
 
 
 def api_key_tenant(key: str, *, secret: bytes | None = None) -> str:
-    """The tenant an API key maps to: ``key-`` and the first 16 hex digits of its sha256
-    (HMAC-SHA256 under ``secret`` when given). Use it to name API-key tenants in ``tenants=``."""
+    """The tenant an API key maps to: ``key-`` and the first 16 hex digits of the sha256 of its
+    UTF-8 bytes, the bytes a client sends (HMAC-SHA256 under ``secret`` when given). Use it to name
+    API-key tenants in ``tenants=``: a request with that key gets this tenant."""
     raw = key.encode("utf-8")
     digest = hmac.new(secret, raw, hashlib.sha256) if secret is not None else hashlib.sha256(raw)
     return API_KEY_PREFIX + digest.hexdigest()[:API_KEY_HASH_HEX]
@@ -44,7 +45,7 @@ def api_key_tenant(key: str, *, secret: bytes | None = None) -> str:
 class TenantKey:
     """One place a request's tenant is read from; build it with a class method:
 
-    - ``TenantKey.header("x-tenant-id")``: the header's value;
+    - ``TenantKey.header("x-tenant-id")``: the header's value, as UTF-8;
     - ``TenantKey.body_field("user")``: a string field of the JSON body (OpenAI's ``user``);
     - ``TenantKey.api_key(secret=None)``: a hash of ``Authorization: Bearer ...`` or ``x-api-key``
       (see :func:`api_key_tenant`), never the key itself;
@@ -91,7 +92,7 @@ class TenantKey:
         """This source's tenant for the request, None when it names none; invalid -> :class:`InvalidTenant`."""
         if self.kind == "header":
             value = _header(scope, self.name.encode("latin-1"))
-            return None if value is None else _checked(value.decode("latin-1"), header=self.name)
+            return None if value is None else _checked(_utf8(value, "tenant", self.name), header=self.name)
         if self.kind == "body_field":
             raw = body.get(self.name)
             if raw is None:
@@ -139,9 +140,9 @@ def tenant_keys(value: TenantKey | Sequence[TenantKey] | None) -> tuple[TenantKe
 
 def named_tenants(ledger: object, labels: Collection[str] | None) -> Collection[str]:
     """The tenants that metrics and spans name: ``labels``, else the ledger's configured tenants
-    (read live, so tenants added later are named too). None may be named ``other``, the label every
-    unnamed tenant is counted under (its series would silently mix with theirs)."""
-    labels = getattr(ledger, "tenants", {}) if labels is None else frozenset(labels)
+    (fixed when the ledger was built, as its policies are). None may be named ``other``, the label
+    every unnamed tenant is counted under (its series would silently mix with theirs)."""
+    labels = frozenset(getattr(ledger, "tenants", {}) if labels is None else labels)
     if OTHER_TENANT_LABEL in labels:
         raise ValueError(
             f"a tenant named {OTHER_TENANT_LABEL!r} would share its metrics label with every unnamed tenant: rename it"
@@ -162,16 +163,29 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 def _api_key(scope: Scope) -> tuple[str | None, str]:
-    """The API key from ``Authorization: Bearer <key>``, else ``x-api-key``, and the header it came from."""
+    """The API key from ``Authorization: Bearer <key>``, else ``x-api-key``, and the header it came
+    from. Its bytes are taken as sent, but for the ASCII whitespace around them, and decoded as
+    UTF-8, so that ``api_key_tenant`` (which encodes a key as UTF-8) hashes exactly those bytes."""
     bearer = _header(scope, b"authorization")
     if bearer is not None:
-        scheme, _, token = bearer.decode("latin-1").partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip(), "authorization"
+        scheme, _, token = bearer.partition(b" ")
+        token = token.strip()
+        if scheme.lower() == b"bearer" and token:
+            return _utf8(token, "API key", "authorization"), "authorization"
     key = _header(scope, b"x-api-key")
     if key is not None and key.strip():
-        return key.decode("latin-1").strip(), "x-api-key"
+        return _utf8(key.strip(), "API key", "x-api-key"), "x-api-key"
     return None, ""
+
+
+def _utf8(value: bytes, what: str, header: str) -> str:
+    """A header's value as text. HTTP leaves the meaning of non-ASCII bytes to the application;
+    clients send non-ASCII names as UTF-8 (and a JSON body's ``user`` is UTF-8 too), so that is
+    how they are read. Bytes that are not UTF-8 -> :class:`InvalidTenant` naming the header."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidTenant(f"The {what} in header {header!r} is not valid UTF-8.", header=header) from None
 
 
 def _checked(value: str, *, header: str | None = None, field: str | None = None, source: str | None = None,

@@ -49,7 +49,7 @@ from ._ledger_contract import (
 )
 from ._redis_scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
 from ._redis_upkeep import RETRIES, Upkeep, cancels
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
+from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
 
 __all__ = ["RedisLedger"]
 
@@ -118,8 +118,7 @@ class RedisLedger:
             raise ValueError(
                 "heartbeat must be positive and shorter than lease_ttl (a third leaves two beats of slack)"
             )
-        if not tenant_idle_ttl > 0:
-            raise ValueError(f"tenant_idle_ttl must be positive, got {tenant_idle_ttl!r}")
+        check_tenant_options(tenants, default_tenant_policy, tenant_idle_ttl)
         if max_connections < 2:
             raise ValueError("max_connections must be at least 2: the wake-up subscription holds one")
         if on_unavailable not in ("fail-closed", "local"):
@@ -141,8 +140,8 @@ class RedisLedger:
         self.on_unavailable = on_unavailable
         self.local_share = local_share
         #: As the in-process ledger's: every process sharing the namespace must name the same tenants.
-        self.tenants = dict(tenants or {})
-        self.default_tenant_policy = default_tenant_policy
+        self.tenants = fixed_policies(tenants)
+        self._default_tenant_policy = default_tenant_policy
         self.tenant_idle_ttl = tenant_idle_ttl
         self._owns_client = isinstance(redis, str)
         if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
@@ -220,6 +219,11 @@ class RedisLedger:
 
     def tenant_policy(self, tenant: str) -> TenantPolicy:
         return self.tenants.get(tenant, self.default_tenant_policy)
+
+    @property
+    def default_tenant_policy(self) -> TenantPolicy:
+        """Fixed, as ``tenants`` are: the scripts were given it once."""
+        return self._default_tenant_policy
 
     def try_reserve(
         self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
@@ -335,6 +339,7 @@ class RedisLedger:
         if isinstance(answer, Beat):  # it must queue: the deadline decision, on that moment's state
             refusal = self._unmeetable(answer, nbytes, priority, tenant, wait_limit)
             if refusal is not None:
+                self._count_rejection(refusal.reason)
                 raise refusal
             answer = await self._ask(scripts.reserve(rid, nbytes, names, priority, tenant))
         if isinstance(answer, Full):

@@ -152,7 +152,7 @@ async def test_a_predicted_wait_over_the_deadline_is_refused_at_once(reject_stat
     assert response.json()["type"].endswith(":deadline-unmeetable")
     assert response.headers["retry-after"] == "5"  # the same model as any other Retry-After
     assert timeouts == [2.0] and ledger.statistics().waiting == 0  # reserve() refused it before it queued
-    assert ledger.statistics().rejected_total == {}  # a deadline refusal is the middleware's count, not the ledger's
+    assert ledger.statistics().rejected_total == {"deadline-unmeetable": 1}  # the ledger counts it, as /health shows
     holder.release()
 
 
@@ -338,6 +338,32 @@ async def test_a_request_that_must_queue_is_decided_on_the_state_of_that_moment(
     for task in heavy:
         task.cancel()
     await asyncio.gather(*heavy, return_exceptions=True)
+
+
+async def test_a_deadline_refusal_is_counted_as_the_ledgers_other_refusals_are(backend: Backend) -> None:
+    """``statistics().rejected_total`` (what /health shows) counts ``deadline-unmeetable`` in both
+    ledgers, as it counts ``queue-full`` and the rest; it used to miss it in both."""
+    ledger = backend.make(100, max_wait=1000)
+    holder, heavy = await heavy_backlog(backend, ledger, then=0)
+    for _ in range(2):
+        with pytest.raises(DeadlineUnmeetable):
+            await asyncio.wait_for(ledger.reserve(20, tenant="heavy", wait_limit=5), 10)  # fail, never hang
+    for task in heavy:  # cancelled: no refusal
+        task.cancel()
+    await asyncio.gather(*heavy, return_exceptions=True)
+    holder.release()
+    expected = {"deadline-unmeetable": 2}
+    refresh = getattr(ledger, "refresh_statistics", None)
+    if refresh is None:
+        assert ledger.statistics().rejected_total == expected
+        return
+    counted: dict[str, int] = {}
+    for _ in range(100):  # Redis counts in the background, best effort: until both have landed
+        counted = dict((await refresh()).rejected_total)
+        if counted == expected:
+            break
+        await asyncio.sleep(0.05)
+    assert counted == expected
 
 
 async def test_an_idle_tenant_is_ordered_by_its_remembered_virtual_time(backend: Backend) -> None:

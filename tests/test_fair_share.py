@@ -442,6 +442,37 @@ def test_a_tenant_queue_bound_is_an_integer_or_none() -> None:
     assert TenantPolicy(max_queue=0).max_queue == 0
 
 
+async def test_tenant_policies_are_fixed_when_the_ledger_is_built(backend: Backend) -> None:
+    """``ledger.tenants`` is a read-only copy in both ledgers: a change afterwards used to be half
+    applied (a tenant with an account kept its old policy in-process; the Redis scripts never saw
+    it, while the Python-side quota check did). Both keep applying the policies they were built with."""
+    given = {"acme": TenantPolicy(quota_bytes=30)}
+    ledger = backend.make(100, tenants=given)
+    tenants = ledger.tenants  # type: ignore[attr-defined]
+    first = await ledger.reserve(20, tenant="acme")
+    with pytest.raises(TypeError):
+        tenants["acme"] = TenantPolicy()
+    with pytest.raises(TypeError):
+        tenants["newco"] = TenantPolicy(quota_bytes=10)
+    with pytest.raises(TypeError):
+        del tenants["acme"]
+    given["acme"], given["newco"] = TenantPolicy(), TenantPolicy(quota_bytes=10)  # the caller's dict, not the ledger's
+    assert dict(ledger.tenants) == {"acme": TenantPolicy(quota_bytes=30)}  # type: ignore[attr-defined]
+    assert ledger.tenant_policy("newco") == TenantPolicy()
+    with pytest.raises(AttributeError):  # nor the policy of the tenants not named
+        ledger.default_tenant_policy = TenantPolicy(quota_bytes=10)  # type: ignore[attr-defined]
+    assert ledger.default_tenant_policy == ledger.tenant_policy("newco") == TenantPolicy()  # type: ignore[attr-defined]
+    with pytest.raises(OverTenantQuota):
+        await ledger.reserve(40, tenant="acme")
+    second = start(ledger, 20, tenant="acme")  # 40 held would be over acme's 30: waits, on a GPU with room
+    assert await backend.still_waiting(second)
+    newco = [await ledger.reserve(20, tenant="newco") for _ in range(2)]  # no quota: 40 bytes held
+    first.release()
+    (await granted(second)).release()
+    for reservation in newco:
+        reservation.release()
+
+
 async def test_statistics_list_the_tenants_that_hold_or_wait_and_the_configured_ones(backend: Backend) -> None:
     clock = backend.clock
     gold = TenantPolicy(weight=3.0, quota_bytes=500)
@@ -502,6 +533,47 @@ async def test_a_tenant_is_idle_from_its_last_release_not_its_first() -> None:
     clock.advance(1)
     (await ledger.reserve(10, tenant="other")).release()
     assert set(ledger._fair.accounts) == {"other"}
+
+
+async def test_a_tenant_back_after_the_idle_ttl_starts_afresh(backend: Backend) -> None:
+    """Forgotten means forgotten on every path: "gone" held 10 bytes for 2 s (20 byte-seconds),
+    then idled past the ttl; back through the middleware's path (``try_reserve`` where the ledger
+    has one, else ``reserve``), its account starts from 0 in both ledgers."""
+    ledger = backend.make(100, tenant_idle_ttl=1.0)
+    held = await ledger.reserve(10, tenant="gone")
+    backend.clock.advance(2)
+    held.release()
+    if backend.kind == "memory":
+        backend.clock.advance(1.0)
+    else:  # Redis expires the idle tenant's hash by its own clock
+        assert backend.server is not None
+        key = "{" + ledger.namespace + "}:tenants:gone"  # type: ignore[attr-defined]
+        with backend.server.client() as client:
+            await eventually(lambda: not client.exists(key), timeout=10)
+    back = ledger.try_reserve(10, tenant="gone") or await ledger.reserve(10, tenant="gone")
+    backend.clock.advance(1)
+    rows = {t.name: t for t in (await statistics(ledger)).tenants}
+    assert rows["gone"].served_byte_seconds == 10.0  # not 30: the 20 from before the ttl are forgotten
+    back.release()
+
+
+async def test_idle_tenants_are_forgotten_on_the_try_reserve_path_too() -> None:
+    """The middleware's path when nobody waits: one new tenant a second, each idle at once, with
+    a ttl of 100 s. The accounts kept never exceed the 99 tenants idle for less than the ttl and the
+    one just admitted, however many tenants come and go."""
+    clock = Clock()
+    ledger = Ledger(1000, tenant_idle_ttl=100.0, clock=clock)
+    kept = []
+    for i in range(2000):
+        reservation = ledger.try_reserve(10, tenant=f"t{i}")
+        assert reservation is not None
+        kept.append(len(ledger._fair.accounts))
+        reservation.release()
+        clock.advance(1)
+    assert max(kept) == 100 and kept[-1] == 100
+    clock.advance(100)
+    ledger.retry_after(10, tenant="t1999")  # a read at an instant forgets first, as every write does
+    assert ledger._fair.accounts == {}
 
 
 @_redis.requires_redis_server

@@ -43,6 +43,7 @@ from gpu_asgi import (
 from gpu_asgi import _telemetry as otel
 
 from ._asgi import RawClient, Words, client, http_scope, wait_until
+from ._backends import Clock
 
 
 @gpu_bound()
@@ -154,6 +155,64 @@ async def test_an_invalid_tenant_is_a_400_naming_where_it_came_from(
     assert {name: problem[name] for name in names} == names
     assert next(iter(names.values())) in problem["detail"]
     assert ledger.statistics().admitted_total == 0
+
+
+async def tenant_sent_as(app: Starlette, headers: list[tuple[bytes, bytes]], body: dict[str, Any] | None = None) -> Any:
+    """The response to a request with these raw header bytes: the tenant, or the problem."""
+    async with client(app) as http:
+        response = await http.post("/generate", json=body or {"prompt": "a b"}, headers=headers)
+    return response.status_code, response.json()
+
+
+@pytest.mark.parametrize("name", ["é-accent", "日本語", "😀emoji", "ā", "voilà"])
+async def test_a_non_ascii_tenant_in_a_header_is_read_as_utf8_as_in_the_body(name: str) -> None:
+    """A header's bytes are UTF-8, as clients send them: they used to be read as latin-1, so
+    "é-accent" became "Ã©-accent" and "日本語" a 400 for the C1 controls its bytes decode to."""
+    app = make_app(Ledger(1000), tenant_key=[TenantKey.header("x-tenant-id"), TenantKey.body_field("user")])
+    status, data = await tenant_sent_as(app, [(b"x-tenant-id", name.encode("utf-8"))])
+    assert (status, data["tenant"]) == (200, name)
+    assert await tenant_of(app, {"prompt": "a b", "user": name}) == name  # the same tenant as the body's
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        (b"x-tenant-id", b"caf\xe9"),  # latin-1, not UTF-8
+        (b"x-tenant-id", b"\xff\xfe"),
+        (b"authorization", b"Bearer sk-\xe9t\xe9"),
+        (b"x-api-key", b"sk-\xc3"),  # a truncated sequence
+    ],
+)
+async def test_a_tenant_or_api_key_that_is_not_utf8_is_a_400_saying_so(header: bytes, value: bytes) -> None:
+    ledger = Ledger(1000)
+    app = make_app(ledger, tenant_key=[TenantKey.header("x-tenant-id"), TenantKey.api_key()])
+    status, problem = await tenant_sent_as(app, [(header, value)])
+    assert status == 400 and problem["type"] == "urn:gpu-asgi:problem:invalid-tenant"
+    assert problem["header"] == header.decode() and "not valid UTF-8" in problem["detail"]
+    assert ledger.statistics().admitted_total == 0
+
+
+async def test_a_basic_authorization_that_is_not_utf8_is_no_api_key() -> None:
+    """Only a bearer token is an API key: other schemes are not read, whatever their bytes."""
+    app = make_app(Ledger(1000), tenant_key=TenantKey.api_key())
+    assert await tenant_sent_as(app, [(b"authorization", b"Basic \xff\xfe")]) == (200, {"tenant": DEFAULT_TENANT, "reserved_for": DEFAULT_TENANT})
+
+
+@pytest.mark.parametrize("key", ["sk-ключ", "sk-voilà", "sk-日本"])
+@pytest.mark.parametrize("secret", [None, b"pepper"])
+async def test_a_non_ascii_api_key_maps_to_the_tenant_api_key_tenant_computes(key: str, secret: bytes | None) -> None:
+    """The hash is of the key's bytes as sent (UTF-8), so ``api_key_tenant(key)``, which a
+    configuration names tenants with, is what a request with that key gets. Read as latin-1,
+    "ключ" was a 400 (its bytes decode to C1 controls) and "voilà" lost its last byte (0xa0,
+    latin-1's no-break space, stripped as whitespace)."""
+    raw = key.encode("utf-8")
+    digest = hmac.new(secret, raw, hashlib.sha256) if secret is not None else hashlib.sha256(raw)
+    expected = "key-" + digest.hexdigest()[:16]
+    assert api_key_tenant(key, secret=secret) == expected
+    app = make_app(Ledger(1000), tenant_key=TenantKey.api_key(secret=secret))
+    for headers in ([(b"authorization", b"Bearer " + raw)], [(b"x-api-key", raw)], [(b"x-api-key", b" " + raw + b"\t")]):
+        status, data = await tenant_sent_as(app, headers)
+        assert (status, data["tenant"]) == (200, expected)
 
 
 def test_a_tenant_key_is_checked_when_it_is_declared() -> None:
@@ -389,6 +448,23 @@ async def test_the_gauges_read_the_ledgers_own_tenant_statistics() -> None:
     # that is no longer set keeps its last value).
     parsed = scrape(metrics)
     assert (gauge("reserved_bytes", "other"), gauge("reserved_share_ratio", "other"), gauge("reserved_bytes", "gold")) == (0, 0, 0)
+
+
+async def test_idle_header_tenants_are_forgotten_when_nobody_waits() -> None:
+    """Through the middleware, where an uncongested server admits with ``try_reserve``: 300
+    distinct tenant keys, then an hour later one request. Only its tenant is remembered (the ttl
+    is 5 s), as the Redis ledger's expiry would leave it."""
+    clock = Clock()
+    ledger = Ledger(1000, tenant_idle_ttl=5.0, clock=clock)
+    app = make_app(ledger, tenant_key=TenantKey.header("x-tenant-id"))
+    async with client(app) as http:
+        for i in range(300):
+            response = await http.post("/generate", json={"prompt": "a b"}, headers={"x-tenant-id": f"t{i}"})
+            assert response.status_code == 200
+        assert len(ledger._fair.accounts) == 300  # idle for less than the ttl: remembered
+        clock.advance(3600)
+        assert (await http.post("/generate", json={"prompt": "a b"}, headers={"x-tenant-id": "steady"})).status_code == 200
+    assert set(ledger._fair.accounts) == {"steady"}
 
 
 async def test_without_a_tenant_key_no_tenant_is_looked_for(monkeypatch: pytest.MonkeyPatch) -> None:
