@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,9 +72,10 @@ def check_headers(scope: Scope, max_bytes: int) -> bytes | None:
 
 def client_wait(raw: bytes, cap: float) -> float:
     """Seconds from an ``x-request-timeout`` value (a positive, finite number), at most ``cap``."""
-    # Plain decimals only: float() would also take " 5", "1_0", "inf" and "1e999".
+    # Plain decimals only: float() would also take " 5", "1_0", "inf" and "1e999". A plain decimal
+    # can still be too long for a float (400 digits): float() makes that inf, refused here too.
     seconds = float(raw) if _DECIMAL.fullmatch(raw) else 0.0
-    if not seconds > 0:
+    if not 0 < seconds < math.inf:
         raise InvalidHeader(
             f"x-request-timeout must be a positive, finite number of seconds, not {raw.decode('latin-1')!r}.",
             header="x-request-timeout",
