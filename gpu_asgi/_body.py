@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,12 +144,19 @@ def _load_json_stdlib(body: bytes) -> Any:
     bytes, which also takes a UTF-8 BOM, UTF-16/32, lone surrogate escapes and NaN."""
     try:
         return json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise InvalidJSON(f"The body is not valid UTF-8 (byte {exc.start}).") from None
+    except UnicodeDecodeError as exc:  # UTF-8, or the UTF-16/32 that json.loads detects from the first bytes
+        raise InvalidJSON(f"The body is not valid {exc.encoding.upper()} (byte {exc.start}).") from None
     except json.JSONDecodeError as exc:
         raise InvalidJSON(f"The body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}.") from None
     except RecursionError:
         raise InvalidJSON("The JSON body is nested too deeply.") from None
+    except ValueError:
+        # The one other error json.loads raises on bytes: its scanner's int() on a number with more
+        # digits than CPython converts (sys.get_int_max_str_digits(), 4300 unless configured). Its
+        # own message tells the server to raise the limit; the client needs to hear what is wrong.
+        raise InvalidJSON(
+            f"The JSON body has an integer with more than {sys.get_int_max_str_digits()} digits."
+        ) from None
 
 
 def _load_json_orjson(body: bytes) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from typing import Any
 
@@ -228,6 +229,11 @@ async def test_only_http_scopes_are_admitted_even_when_their_path_and_method_are
         (b"{not json", {}, 400, "invalid-json", "not valid JSON"),
         (b'{"prompt": "\xff\xfe"}', {}, 400, "invalid-json", "not valid UTF-8"),
         (b"[" * 100_000 + b"]" * 100_000, {}, 400, "invalid-json", "nested too deeply"),
+        # json.loads takes UTF-16/32 when the first bytes say so; its errors name that encoding
+        (b'{\x00"\x00a', {}, 400, "invalid-json", "not valid UTF-16-LE (byte 4)"),
+        (b"{\x00\x00\x00\x00\x00\x11\x00", {}, 400, "invalid-json", "not valid UTF-32-LE (byte 4)"),
+        # more digits than CPython converts to an int (Starlette's Request.json() refuses it too)
+        (b'{"prompt": "a", "seed": ' + b"1" * 5000 + b"}", {}, 400, "invalid-json", f"more than {sys.get_int_max_str_digits()} digits"),
         (b'["prompt"]', {}, 422, "invalid-field", "must be an object"),
         (b'{"text": "hi"}', {}, 422, "invalid-field", "no prompt"),
         (b'{"prompt": 42}', {}, 422, "invalid-field", "'prompt' must be"),
@@ -800,6 +806,31 @@ async def test_a_utf8_bom_body_is_admitted_as_fastapi_parses_it() -> None:
         response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 200, response.text
     assert response.json() == {"prompt_chars": 3, "held": 4}
+
+
+async def test_an_integer_too_long_for_python_is_our_400_on_fastapi_too_and_the_service_keeps_serving() -> None:
+    """json.loads raises a plain ValueError for it (CPython's limit on int digits), not a
+    JSONDecodeError: FastAPI would answer its own bare 400, a Starlette endpoint a 500."""
+    ledger = Ledger(1000)
+    app = FastAPI()
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+
+    @app.post("/generate")
+    @gpu_bound()
+    async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
+        return {"held": reservation.nbytes}
+
+    digits = sys.get_int_max_str_digits() + 1
+    body = b'{"prompt": "a b", "seed": ' + b"7" * digits + b"}"
+    async with client(app) as http:
+        refused = await http.post("/generate", content=body, headers={"content-type": "application/json"})
+        served = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/problem+json"
+    problem = refused.json()
+    assert problem["type"] == "urn:gpu-asgi:problem:invalid-json"
+    assert problem["detail"] == f"The JSON body has an integer with more than {digits - 1} digits."
+    assert served.status_code == 200 and served.json() == {"held": 4}
+    assert ledger.statistics().admitted_total == 1
 
 
 @pytest.mark.parametrize("outer", ["gpu_asgi", "logging"])
