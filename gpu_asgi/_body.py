@@ -206,9 +206,14 @@ def _extract_prompts(data: dict[str, Any], spec: RouteSpec, route: Callable[[], 
 def _prompts_from_value(name: str, value: Any) -> list[Prompt]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI)."""
     if isinstance(value, str):
+        if not value.isascii():
+            _check_unicode(name, value)
         return [Prompt(value)]
     if isinstance(value, list) and value:
         if all(isinstance(item, str) for item in value):
+            for index, item in enumerate(value):
+                if not item.isascii():
+                    _check_unicode(f"{name}[{index}]", item)
             return [Prompt(item) for item in value]
         if all(_is_token_ids(item) for item in value):
             return [Prompt("", len(item)) for item in value]
@@ -234,21 +239,49 @@ def _prompt_from_messages(name: str, messages: Any, template_tokens: int) -> Pro
         where = f"{name}[{index}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidField(f"{where} must be an object with a string 'role'.", field=where)
-        texts.append(message["role"])
+        role = message["role"]
+        if not role.isascii():
+            _check_unicode(f"{where}.role", role)
+        texts.append(role)
         content = message.get("content")
         if isinstance(content, str):
+            if not content.isascii():
+                _check_unicode(f"{where}.content", content)
             texts.append(content)
         elif isinstance(content, list):
-            for part in content:
+            for number, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise InvalidField(f"{where}.content parts must be objects with a 'type'.", field=where)
                 if part["type"] == "text":
-                    if not isinstance(part.get("text"), str):
+                    text = part.get("text")
+                    if not isinstance(text, str):
                         raise InvalidField(f"{where}.content text parts need a string 'text'.", field=where)
-                    texts.append(part["text"])
+                    if not text.isascii():
+                        _check_unicode(f"{where}.content[{number}].text", text)
+                    texts.append(text)
         elif content is not None:
             raise InvalidField(f"{where}.content must be a string, a list of parts or null.", field=where)
     return Prompt("\n".join(texts), MESSAGE_OVERHEAD_TOKENS * len(messages) + template_tokens)
+
+
+def _check_unicode(field: str, text: str) -> None:
+    """Refuse text to count that is not valid Unicode: a lone surrogate, which the JSON escape
+    ``"\\ud800"`` gives and ``json.loads`` accepts, but which no tokenizer reads (UTF-8 has no
+    encoding for it; a Hugging Face tokenizer raises ``TypeError``). Checked here, before any counter
+    runs, so every counter refuses the same texts: the heuristic one would count it.
+
+    Callers call this only for text that is not ASCII: ``str.isascii()`` is O(1) in CPython and
+    ASCII holds no surrogate, so ASCII prompts pay one method call.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidField(
+            f"{field!r} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+            f"{exc.start}, which no tokenizer can read. A character above U+FFFF is escaped as a pair "
+            "(\\ud83d\\ude00), or sent as UTF-8.",
+            field=field,
+        ) from None
 
 
 def _max_new_tokens(data: dict[str, Any], spec: RouteSpec) -> int:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -20,17 +21,20 @@ from starlette.websockets import WebSocket
 from gpu_asgi import (
     Admission,
     GPUAdmissionMiddleware,
+    HeuristicTokenCounter,
+    HFTokenCounter,
     Ledger,
     LinearEstimator,
     Reservation,
     RouteSpec,
+    TokenCounter,
     _body,
     gpu_admission,
     gpu_bound,
     gpu_reservation,
 )
 
-from ._asgi import RawClient, client, http_scope, settle, wait_until
+from ._asgi import RawClient, client, http_scope, local_hf_tokenizer, settle, wait_until
 
 ONE_BYTE_PER_TOKEN = LinearEstimator(bytes_per_token=1)
 
@@ -799,13 +803,14 @@ async def test_a_utf8_bom_body_is_admitted_as_fastapi_parses_it() -> None:
     @app.post("/generate")
     @gpu_bound()
     async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
-        return {"prompt_chars": len(payload["prompt"]), "held": reservation.nbytes}
+        return {"prompt_chars": len(payload["prompt"]), "note": payload["note"] == "\udc80", "held": reservation.nbytes}
 
-    body = b'\xef\xbb\xbf{"prompt": "a \\udc80", "max_tokens": 2.0}'
+    # a lone surrogate escape is valid JSON: refused only in text to count (below), passed on elsewhere
+    body = b'\xef\xbb\xbf{"prompt": "a \\u00e9", "note": "\\udc80", "max_tokens": 2.0}'
     async with client(app) as http:
         response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 200, response.text
-    assert response.json() == {"prompt_chars": 3, "held": 4}
+    assert response.json() == {"prompt_chars": 3, "note": True, "held": 4}
 
 
 async def test_an_integer_too_long_for_python_is_our_400_on_fastapi_too_and_the_service_keeps_serving() -> None:
@@ -924,3 +929,89 @@ async def test_an_empty_prompt_string_is_accepted_and_the_message_says_so() -> N
     assert empty.status_code == 200 and empty.json()["prompt_tokens"] == 0
     assert empty_list.status_code == 422
     assert "'prompt' must be a string, a non-empty list of strings" in empty_list.json()["detail"]
+
+
+class RecordingCounter:
+    """A token counter that writes down the thread of every count, then asks ``counter``."""
+
+    def __init__(self, counter: TokenCounter) -> None:
+        self.counter = counter
+        self.inline_limit = counter.inline_limit
+        self.threads: list[int] = []
+
+    def count(self, text: str) -> int:
+        self.threads.append(threading.get_ident())
+        return self.counter.count(text)
+
+
+COUNTERS: dict[str, Callable[[], TokenCounter]] = {
+    "heuristic": HeuristicTokenCounter,
+    "hf-inline": lambda: HFTokenCounter(local_hf_tokenizer()),
+    # every prompt here is longer than 4 characters: counted in a worker thread
+    "hf-thread": lambda: HFTokenCounter(local_hf_tokenizer(), inline_limit=4),
+}
+
+
+def tagged_app(framework: str, ledger: Ledger, counter: TokenCounter) -> Starlette:
+    """The same tagged route on Starlette (the endpoint reads its body) or FastAPI (a body parameter)."""
+    if framework == "starlette":
+        return make_app(ledger, echo, token_counter=counter)
+    app = FastAPI()
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=counter)
+
+    @app.post("/generate")
+    @gpu_bound()
+    async def generate(payload: dict[str, Any], admission: Admission = Depends(gpu_admission)) -> dict[str, Any]:
+        return {"prompt_tokens": admission.prompt_tokens}
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "at"),
+    [
+        (b'{"prompt": "hello \\ud800 world"}', "prompt", "U+D800) at character 6"),
+        (b'{"prompt": "hi \xed\xa0\x80"}', "prompt", "U+D800) at character 3"),  # UTF-8 for one: json.loads lets it through
+        (b'{"prompt": ["hello world", "the fox \\udc00"]}', "prompt[1]", "U+DC00) at character 8"),
+        (b'{"messages": [{"role": "user", "content": "hello \\ud83d"}]}', "messages[0].content", "U+D83D) at character 6"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}, '
+            b'{"type": "text", "text": "\\ude00 fox"}]}]}',
+            "messages[0].content[1].text", "U+DE00) at character 0",
+        ),
+    ],
+)
+@pytest.mark.parametrize("counter_kind", ["heuristic", "hf-inline", "hf-thread"])
+@pytest.mark.parametrize("framework", ["starlette", "fastapi"])
+async def test_prompt_text_that_is_not_valid_unicode_is_one_422_for_every_counter(
+    body: bytes, field: str, at: str, counter_kind: str, framework: str
+) -> None:
+    """A lone surrogate escape is valid JSON (json.loads and FastAPI take it), but no tokenizer can
+    read the text: Hugging Face's raises TypeError (a 500), the heuristic would count it. Refused
+    before any counter runs, with the same answer whichever counter the middleware has."""
+    ledger = Ledger(10_000)
+    counter = RecordingCounter(COUNTERS[counter_kind]())
+    async with client(tagged_app(framework, ledger, counter)) as http:
+        response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
+        served = await http.post("/generate", json={"prompt": "hello 🚀 world 显存"})
+    assert response.status_code == 422 and response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["type"] == "urn:gpu-asgi:problem:invalid-field" and problem["field"] == field
+    assert problem["detail"].startswith(f"{field!r} is not valid Unicode: a lone surrogate (")
+    assert at in problem["detail"]
+    assert served.status_code == 200 and served.json()["prompt_tokens"] > 0  # real non-ASCII text is fine
+    assert len(counter.threads) == 1  # only the second request was counted
+    assert (counter.threads[0] == threading.get_ident()) == (counter_kind != "hf-thread")
+    stats = ledger.statistics()
+    assert (stats.admitted_total, stats.reserved_bytes) == (1, 0)
+
+
+async def test_a_surrogate_pair_escape_is_one_character_and_admitted() -> None:
+    """Only a *lone* surrogate is refused: a pair is how JSON escapes a character above U+FFFF."""
+    ledger = Ledger(10_000)
+    async with client(make_app(ledger, echo, token_counter=HFTokenCounter(local_hf_tokenizer()))) as http:
+        response = await http.post(
+            "/generate", content=b'{"prompt": "GPU \\ud83d\\ude80"}', headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt_tokens"] == len(local_hf_tokenizer().encode("GPU 🚀", add_special_tokens=False))
