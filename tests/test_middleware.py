@@ -1015,3 +1015,79 @@ async def test_a_surrogate_pair_escape_is_one_character_and_admitted() -> None:
         )
     assert response.status_code == 200, response.text
     assert response.json()["prompt_tokens"] == len(local_hf_tokenizer().encode("GPU 🚀", add_special_tokens=False))
+
+
+# -- a route's own body limit (Starlette >= 1.6, FastAPI: max_body_size=) ------------------------
+
+
+class AskingLedger(Ledger):
+    """A real ledger that writes down every request for bytes the middleware makes of it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def try_reserve(self, nbytes: int, **options: Any) -> Reservation | None:
+        self.asked.append(nbytes)
+        return super().try_reserve(nbytes, **options)
+
+    async def reserve(self, nbytes: int, **options: Any) -> Reservation:
+        self.asked.append(nbytes)
+        return await super().reserve(nbytes, **options)
+
+
+def route_with_body_limit(framework: str, ledger: Ledger, max_body_size: int) -> Any:
+    """A tagged route with its own ``max_body_size``: Starlette's ``Route(...)`` or FastAPI's ``@app.post(...)``."""
+    import inspect
+
+    pytest.importorskip("starlette.middleware.body_limit", reason="per-route body limits are Starlette >= 1.6")
+    if framework == "starlette":
+        app: Any = Starlette(routes=[Route("/generate", echo, methods=["POST"], max_body_size=max_body_size)])
+    else:
+        if "max_body_size" not in inspect.signature(FastAPI.post).parameters:
+            pytest.skip("this FastAPI has no per-route max_body_size")
+        app = FastAPI()
+
+        @app.post("/generate", max_body_size=max_body_size)
+        @gpu_bound()
+        async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
+            return {"held": reservation.nbytes}
+
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    return app
+
+
+@pytest.mark.parametrize("framework", ["starlette", "fastapi"])
+async def test_a_chunked_body_over_the_routes_own_limit_is_our_413_before_anything_is_reserved(framework: str) -> None:
+    """Starlette's limiter sits inside gpu_asgi and publishes the route's limit in the scope; its own
+    413 would come only after admission, which may have queued for the bytes meanwhile."""
+    ledger = AskingLedger(10_000)
+    app = route_with_body_limit(framework, ledger, 64)
+    body = json.dumps({"prompt": "a " * 60, "max_new_tokens": 5}).encode()  # 140 bytes
+    raw = RawClient(app, http_scope(), [body[:70], body[70:]]).start()  # chunked: no Content-Length
+    await raw.finish()
+    assert raw.status == 413 and raw.header(b"content-type") == b"application/problem+json"
+    problem = raw.json()
+    assert problem["type"] == "urn:gpu-asgi:problem:body-too-large" and problem["limit_bytes"] == 64
+    assert problem["detail"] == "The body is larger than the limit of 64 bytes."
+    assert ledger.asked == []  # not even asked: nothing was reserved or queued for, at any moment
+    async with client(app) as http:
+        small = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 5})
+    assert small.status_code == 200 and small.json()["held"] == 7
+    assert ledger.asked == [7] and ledger.statistics().reserved_bytes == 0
+
+
+@pytest.mark.parametrize(("published", "max_body_bytes", "limit"), [(64, 1 << 20, 64), (1 << 20, 100, 100)])
+async def test_the_smaller_of_the_two_limits_is_checked_on_the_content_length_before_a_byte_is_read(
+    published: int, max_body_bytes: int, limit: int
+) -> None:
+    body_limit = pytest.importorskip("starlette.middleware.body_limit", reason="per-route body limits are Starlette >= 1.6")
+    ledger = AskingLedger(10_000)
+    scope = http_scope(headers=[(b"content-type", b"application/json"), (b"content-length", b"140")])
+    scope[body_limit.MAX_BODY_SIZE_SCOPE_KEY] = published  # as Starlette's RequestBodyLimitMiddleware publishes it
+    raw = RawClient(make_app(ledger, echo, max_body_bytes=max_body_bytes), scope, [b" " * 140]).start()
+    await raw.finish()
+    assert raw.status == 413 and raw.header(b"x-gpu-admission-reason") == b"body-too-large"
+    assert raw.json()["detail"] == f"The body announces 140 bytes; the limit is {limit}."
+    assert raw.incoming.qsize() == 1  # refused on the headers: the body was never read
+    assert ledger.asked == []
