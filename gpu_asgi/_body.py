@@ -20,8 +20,14 @@ from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidHeader, Inv
 from ._tagging import RouteSpec
 from ._types import Receive, Scope
 
-try:  # Starlette >= 1.6, where a route can have its own body limit (and so FastAPI's routes)
-    from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
+# Where a route's own body limit is found. Starlette's RequestBodyLimitMiddleware
+# (``Route(..., max_body_size=n)``, FastAPI's ``@app.post(..., max_body_size=n)``,
+# ``Starlette(max_body_size=n)``) publishes the limit it enforces in the scope before the endpoint
+# reads its body. A route's limiter sits inside gpu_asgi, so its own 413 would come only after
+# admission, once the bytes were reserved or queued for; admission, at that body read, takes the
+# smaller of this and ``max_body_bytes`` and refuses before anything is reserved.
+try:  # Starlette >= 1.6, which has per-route limits (starlette.routing imports this module anyway)
+    from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY as MAX_BODY_SIZE_SCOPE_KEY  # for _admission
 except ImportError:  # pragma: no cover - an older Starlette has no such limit, so nothing sets the key
     MAX_BODY_SIZE_SCOPE_KEY = "starlette.max_body_size"
 
@@ -50,19 +56,6 @@ class ParsedRequest:
     sampling: bool | None = None
     #: The parsed JSON object, for what else reads the body (a tenant key).
     data: dict[str, Any] = field(default_factory=dict)
-
-
-def body_limit(scope: Scope, max_bytes: int) -> int:
-    """The most bytes this request's body may have: ``max_bytes``, or the route's own limit if smaller.
-
-    Starlette's ``RequestBodyLimitMiddleware`` (``Route(..., max_body_size=n)``, FastAPI's
-    ``@app.post(..., max_body_size=n)``, ``Starlette(max_body_size=n)``) publishes the limit it
-    enforces in the scope before the endpoint reads its body. When it sits inside gpu_asgi (a
-    route's), its own 413 would come only after admission, once the bytes were reserved or queued
-    for; read at the body read, where admission happens, it is refused before anything is.
-    """
-    route_limit = scope.get(MAX_BODY_SIZE_SCOPE_KEY)
-    return max_bytes if route_limit is None or route_limit >= max_bytes else route_limit
 
 
 def check_headers(scope: Scope, max_bytes: int) -> bytes | None:
