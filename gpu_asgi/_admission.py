@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import _telemetry as otel
-from ._body import check_headers, client_wait, parse_request, read_body
+from ._body import MAX_BODY_SIZE_SCOPE_KEY, check_headers, client_wait, parse_request, read_body
 from ._device_policy import CLAMPED_HEADER
 from ._errors import GPUAdmissionError
 from ._estimate import Estimator
@@ -102,12 +102,15 @@ async def admit(
         middleware.sampler.ensure_started()
     clamped_from: int | None = None
     try:
-        raw_timeout = check_headers(scope, middleware.max_body_bytes)
+        max_bytes = middleware.max_body_bytes
+        if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see _body): the smaller applies
+            max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
+        raw_timeout = check_headers(scope, max_bytes)
         # Seconds this request waits in the queue at most (None: the ledger's max_wait).
         wait_limit = spec.max_client_wait
         if raw_timeout is not None:
             wait_limit = client_wait(raw_timeout, middleware._wait_cap if wait_limit is None else wait_limit)
-        body = await read_body(receive, middleware.max_body_bytes, middleware.body_timeout, middleware._deadlines)
+        body = await read_body(receive, max_bytes, middleware.body_timeout, middleware._deadlines)
         if body is None:  # the client left while sending: nothing reserved
             await middleware.answer_departed(scope, send, spec)
             return None

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,17 @@ from ._deadlines import Deadlines
 from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidHeader, InvalidJSON, UnsupportedMediaType
 from ._tagging import RouteSpec
 from ._types import Receive, Scope
+
+# Where a route's own body limit is found. Starlette's RequestBodyLimitMiddleware
+# (``Route(..., max_body_size=n)``, FastAPI's ``@app.post(..., max_body_size=n)``,
+# ``Starlette(max_body_size=n)``) publishes the limit it enforces in the scope before the endpoint
+# reads its body. A route's limiter sits inside gpu_asgi, so its own 413 would come only after
+# admission, once the bytes were reserved or queued for; admission, at that body read, takes the
+# smaller of this and ``max_body_bytes`` and refuses before anything is reserved.
+try:  # Starlette >= 1.6, which has per-route limits (starlette.routing imports this module anyway)
+    from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY as MAX_BODY_SIZE_SCOPE_KEY  # for _admission
+except ImportError:  # pragma: no cover - an older Starlette has no such limit, so nothing sets the key
+    MAX_BODY_SIZE_SCOPE_KEY = "starlette.max_body_size"
 
 #: Tokens a chat template adds around each message (ChatML: ``<|im_start|>role\n ... <|im_end|>\n``).
 MESSAGE_OVERHEAD_TOKENS = 5
@@ -71,9 +84,10 @@ def check_headers(scope: Scope, max_bytes: int) -> bytes | None:
 
 def client_wait(raw: bytes, cap: float) -> float:
     """Seconds from an ``x-request-timeout`` value (a positive, finite number), at most ``cap``."""
-    # Plain decimals only: float() would also take " 5", "1_0", "inf" and "1e999".
+    # Plain decimals only: float() would also take " 5", "1_0", "inf" and "1e999". A plain decimal
+    # can still be too long for a float (400 digits): float() makes that inf, refused here too.
     seconds = float(raw) if _DECIMAL.fullmatch(raw) else 0.0
-    if not seconds > 0:
+    if not 0 < seconds < math.inf:
         raise InvalidHeader(
             f"x-request-timeout must be a positive, finite number of seconds, not {raw.decode('latin-1')!r}.",
             header="x-request-timeout",
@@ -141,12 +155,19 @@ def _load_json_stdlib(body: bytes) -> Any:
     bytes, which also takes a UTF-8 BOM, UTF-16/32, lone surrogate escapes and NaN."""
     try:
         return json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise InvalidJSON(f"The body is not valid UTF-8 (byte {exc.start}).") from None
+    except UnicodeDecodeError as exc:  # UTF-8, or the UTF-16/32 that json.loads detects from the first bytes
+        raise InvalidJSON(f"The body is not valid {exc.encoding.upper()} (byte {exc.start}).") from None
     except json.JSONDecodeError as exc:
         raise InvalidJSON(f"The body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}.") from None
     except RecursionError:
         raise InvalidJSON("The JSON body is nested too deeply.") from None
+    except ValueError:
+        # The one other error json.loads raises on bytes: its scanner's int() on a number with more
+        # digits than CPython converts (sys.get_int_max_str_digits(), 4300 unless configured). Its
+        # own message tells the server to raise the limit; the client needs to hear what is wrong.
+        raise InvalidJSON(
+            f"The JSON body has an integer with more than {sys.get_int_max_str_digits()} digits."
+        ) from None
 
 
 def _load_json_orjson(body: bytes) -> Any:
@@ -196,9 +217,14 @@ def _extract_prompts(data: dict[str, Any], spec: RouteSpec, route: Callable[[], 
 def _prompts_from_value(name: str, value: Any) -> list[Prompt]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI)."""
     if isinstance(value, str):
+        if not value.isascii():
+            _check_unicode(name, value)
         return [Prompt(value)]
     if isinstance(value, list) and value:
         if all(isinstance(item, str) for item in value):
+            for index, item in enumerate(value):
+                if not item.isascii():
+                    _check_unicode(f"{name}[{index}]", item)
             return [Prompt(item) for item in value]
         if all(_is_token_ids(item) for item in value):
             return [Prompt("", len(item)) for item in value]
@@ -224,21 +250,49 @@ def _prompt_from_messages(name: str, messages: Any, template_tokens: int) -> Pro
         where = f"{name}[{index}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidField(f"{where} must be an object with a string 'role'.", field=where)
-        texts.append(message["role"])
+        role = message["role"]
+        if not role.isascii():
+            _check_unicode(f"{where}.role", role)
+        texts.append(role)
         content = message.get("content")
         if isinstance(content, str):
+            if not content.isascii():
+                _check_unicode(f"{where}.content", content)
             texts.append(content)
         elif isinstance(content, list):
-            for part in content:
+            for number, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise InvalidField(f"{where}.content parts must be objects with a 'type'.", field=where)
                 if part["type"] == "text":
-                    if not isinstance(part.get("text"), str):
+                    text = part.get("text")
+                    if not isinstance(text, str):
                         raise InvalidField(f"{where}.content text parts need a string 'text'.", field=where)
-                    texts.append(part["text"])
+                    if not text.isascii():
+                        _check_unicode(f"{where}.content[{number}].text", text)
+                    texts.append(text)
         elif content is not None:
             raise InvalidField(f"{where}.content must be a string, a list of parts or null.", field=where)
     return Prompt("\n".join(texts), MESSAGE_OVERHEAD_TOKENS * len(messages) + template_tokens)
+
+
+def _check_unicode(field: str, text: str) -> None:
+    """Refuse text to count that is not valid Unicode: a lone surrogate, which the JSON escape
+    ``"\\ud800"`` gives and ``json.loads`` accepts, but which no tokenizer reads (UTF-8 has no
+    encoding for it; a Hugging Face tokenizer raises ``TypeError``). Checked here, before any counter
+    runs, so every counter refuses the same texts: the heuristic one would count it.
+
+    Callers call this only for text that is not ASCII: ``str.isascii()`` is O(1) in CPython and
+    ASCII holds no surrogate, so ASCII prompts pay one method call.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidField(
+            f"{field!r} is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+            f"{exc.start}, which no tokenizer can read. A character above U+FFFF is escaped as a pair "
+            "(\\ud83d\\ude00), or sent as UTF-8.",
+            field=field,
+        ) from None
 
 
 def _max_new_tokens(data: dict[str, Any], spec: RouteSpec) -> int:

@@ -1,9 +1,11 @@
 """Test helpers: an in-process HTTP client, a raw ASGI driver for streaming and disconnect tests
-(ASGITransport buffers), waiting helpers and a word-count token counter."""
+(ASGITransport buffers), waiting helpers, a word-count token counter and a local Hugging Face
+tokenizer."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -115,3 +117,18 @@ class Words:
 
     def count(self, text: str) -> int:
         return len(text.split())
+
+
+@functools.cache
+def local_hf_tokenizer() -> Any:
+    """A real Hugging Face fast tokenizer (byte-level BPE, as Qwen's and Llama 3's are), trained
+    here on a few words: nothing is downloaded, and the Rust encoder is the one a hub model has."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend)

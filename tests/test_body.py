@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from gpu_asgi import BodyTimeout, BodyTooLarge, InvalidJSON, RouteSpec
+from gpu_asgi import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, RouteSpec
 from gpu_asgi._body import check_headers, parse_request, read_body
 from gpu_asgi._deadlines import Deadlines
 
@@ -106,7 +106,7 @@ def test_content_length_digits_pass() -> None:
     "body",
     [
         b'\xef\xbb\xbf{"prompt": "bom"}',  # a UTF-8 BOM
-        b'{"prompt": "lone \\udc80 surrogate"}',
+        b'{"prompt": "p", "note": "lone \\udc80 surrogate"}',  # in a field that is not counted (tests/test_middleware.py)
         b'{"prompt": "nan", "temperature": NaN}',
         '{"prompt": "utf-16"}'.encode("utf-16"),
     ],
@@ -116,7 +116,24 @@ def test_what_fastapi_parses_is_parsed(body: bytes) -> None:
     import json
 
     expected = json.loads(body)
-    assert [p.text for p in parse_request(body, RouteSpec(), lambda: "POST /x").prompts] == [expected["prompt"]]
+    request = parse_request(body, RouteSpec(), lambda: "POST /x")
+    assert [p.text for p in request.prompts] == [expected["prompt"]]
+    assert repr(request.data) == repr(expected)  # repr: NaN is not equal to itself
+
+
+@pytest.mark.parametrize(
+    ("body", "spec", "field"),
+    [
+        (b'{"messages": [{"role": "us\\udc00er", "content": "hi"}]}', RouteSpec(), "messages[0].role"),
+        (b'{"input": {"text": "caf\\ud800"}}', RouteSpec(prompt=lambda body: body["input"]["text"]), "prompt"),
+    ],
+)
+def test_every_text_that_is_counted_must_be_valid_unicode(body: bytes, spec: RouteSpec, field: str) -> None:
+    """Roles are counted too, and so is what a route's prompt callable returns (named 'prompt', as
+    its other errors are); tests/test_middleware.py has the prompt fields and the counters."""
+    with pytest.raises(InvalidField, match="is not valid Unicode: a lone surrogate") as refused:
+        parse_request(body, spec, lambda: "POST /x")
+    assert refused.value.extensions == {"field": field}
 
 
 @pytest.mark.parametrize(("field", "value", "expected"), [("max_tokens", 16.0, 16), ("max_completion_tokens", 3.0, 3)])

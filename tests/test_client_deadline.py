@@ -88,7 +88,9 @@ async def post(app: Starlette, timeout: str | bytes | None = None) -> httpx.Resp
 # -- the header ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", ["0", "0.0", "-1", "nan", "inf", "soon", "", "1e999", " 5", "1_0", "١".encode()])
+@pytest.mark.parametrize(
+    "value", ["0", "0.0", "-1", "nan", "inf", "soon", "", "1e999", " 5", "1_0", "١".encode(), "9" * 400, "1" * 400 + ".5"]
+)
 async def test_an_invalid_header_is_a_400_naming_it(value: str | bytes) -> None:
     ledger = Ledger(CAPACITY)
     response = await post(app_for(ledger), value)

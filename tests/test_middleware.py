@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,17 +21,20 @@ from starlette.websockets import WebSocket
 from gpu_asgi import (
     Admission,
     GPUAdmissionMiddleware,
+    HeuristicTokenCounter,
+    HFTokenCounter,
     Ledger,
     LinearEstimator,
     Reservation,
     RouteSpec,
+    TokenCounter,
     _body,
     gpu_admission,
     gpu_bound,
     gpu_reservation,
 )
 
-from ._asgi import RawClient, client, http_scope, settle, wait_until
+from ._asgi import RawClient, client, http_scope, local_hf_tokenizer, settle, wait_until
 
 ONE_BYTE_PER_TOKEN = LinearEstimator(bytes_per_token=1)
 
@@ -228,6 +233,11 @@ async def test_only_http_scopes_are_admitted_even_when_their_path_and_method_are
         (b"{not json", {}, 400, "invalid-json", "not valid JSON"),
         (b'{"prompt": "\xff\xfe"}', {}, 400, "invalid-json", "not valid UTF-8"),
         (b"[" * 100_000 + b"]" * 100_000, {}, 400, "invalid-json", "nested too deeply"),
+        # json.loads takes UTF-16/32 when the first bytes say so; its errors name that encoding
+        (b'{\x00"\x00a', {}, 400, "invalid-json", "not valid UTF-16-LE (byte 4)"),
+        (b"{\x00\x00\x00\x00\x00\x11\x00", {}, 400, "invalid-json", "not valid UTF-32-LE (byte 4)"),
+        # more digits than CPython converts to an int (Starlette's Request.json() refuses it too)
+        (b'{"prompt": "a", "seed": ' + b"1" * 5000 + b"}", {}, 400, "invalid-json", f"more than {sys.get_int_max_str_digits()} digits"),
         (b'["prompt"]', {}, 422, "invalid-field", "must be an object"),
         (b'{"text": "hi"}', {}, 422, "invalid-field", "no prompt"),
         (b'{"prompt": 42}', {}, 422, "invalid-field", "'prompt' must be"),
@@ -794,13 +804,39 @@ async def test_a_utf8_bom_body_is_admitted_as_fastapi_parses_it() -> None:
     @app.post("/generate")
     @gpu_bound()
     async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
-        return {"prompt_chars": len(payload["prompt"]), "held": reservation.nbytes}
+        return {"prompt_chars": len(payload["prompt"]), "note": payload["note"] == "\udc80", "held": reservation.nbytes}
 
-    body = b'\xef\xbb\xbf{"prompt": "a \\udc80", "max_tokens": 2.0}'
+    # a lone surrogate escape is valid JSON: refused only in text to count (below), passed on elsewhere
+    body = b'\xef\xbb\xbf{"prompt": "a \\u00e9", "note": "\\udc80", "max_tokens": 2.0}'
     async with client(app) as http:
         response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 200, response.text
-    assert response.json() == {"prompt_chars": 3, "held": 4}
+    assert response.json() == {"prompt_chars": 3, "note": True, "held": 4}
+
+
+async def test_an_integer_too_long_for_python_is_our_400_on_fastapi_too_and_the_service_keeps_serving() -> None:
+    """json.loads raises a plain ValueError for it (CPython's limit on int digits), not a
+    JSONDecodeError: FastAPI would answer its own bare 400, a Starlette endpoint a 500."""
+    ledger = Ledger(1000)
+    app = FastAPI()
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+
+    @app.post("/generate")
+    @gpu_bound()
+    async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
+        return {"held": reservation.nbytes}
+
+    digits = sys.get_int_max_str_digits() + 1
+    body = b'{"prompt": "a b", "seed": ' + b"7" * digits + b"}"
+    async with client(app) as http:
+        refused = await http.post("/generate", content=body, headers={"content-type": "application/json"})
+        served = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 2})
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/problem+json"
+    problem = refused.json()
+    assert problem["type"] == "urn:gpu-asgi:problem:invalid-json"
+    assert problem["detail"] == f"The JSON body has an integer with more than {digits - 1} digits."
+    assert served.status_code == 200 and served.json() == {"held": 4}
+    assert ledger.statistics().admitted_total == 1
 
 
 @pytest.mark.parametrize("when", ["queued", "sending its body"])
@@ -990,3 +1026,165 @@ async def test_an_empty_prompt_string_is_accepted_and_the_message_says_so() -> N
     assert empty.status_code == 200 and empty.json()["prompt_tokens"] == 0
     assert empty_list.status_code == 422
     assert "'prompt' must be a string, a non-empty list of strings" in empty_list.json()["detail"]
+
+
+class RecordingCounter:
+    """A token counter that writes down the thread of every count, then asks ``counter``."""
+
+    def __init__(self, counter: TokenCounter) -> None:
+        self.counter = counter
+        self.inline_limit = counter.inline_limit
+        self.threads: list[int] = []
+
+    def count(self, text: str) -> int:
+        self.threads.append(threading.get_ident())
+        return self.counter.count(text)
+
+
+COUNTERS: dict[str, Callable[[], TokenCounter]] = {
+    "heuristic": HeuristicTokenCounter,
+    "hf-inline": lambda: HFTokenCounter(local_hf_tokenizer()),
+    # every prompt here is longer than 4 characters: counted in a worker thread
+    "hf-thread": lambda: HFTokenCounter(local_hf_tokenizer(), inline_limit=4),
+}
+
+
+def tagged_app(framework: str, ledger: Ledger, counter: TokenCounter) -> Starlette:
+    """The same tagged route on Starlette (the endpoint reads its body) or FastAPI (a body parameter)."""
+    if framework == "starlette":
+        return make_app(ledger, echo, token_counter=counter)
+    app = FastAPI()
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=counter)
+
+    @app.post("/generate")
+    @gpu_bound()
+    async def generate(payload: dict[str, Any], admission: Admission = Depends(gpu_admission)) -> dict[str, Any]:
+        return {"prompt_tokens": admission.prompt_tokens}
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "at"),
+    [
+        (b'{"prompt": "hello \\ud800 world"}', "prompt", "U+D800) at character 6"),
+        (b'{"prompt": "hi \xed\xa0\x80"}', "prompt", "U+D800) at character 3"),  # UTF-8 for one: json.loads lets it through
+        (b'{"prompt": ["hello world", "the fox \\udc00"]}', "prompt[1]", "U+DC00) at character 8"),
+        (b'{"messages": [{"role": "user", "content": "hello \\ud83d"}]}', "messages[0].content", "U+D83D) at character 6"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}, '
+            b'{"type": "text", "text": "\\ude00 fox"}]}]}',
+            "messages[0].content[1].text", "U+DE00) at character 0",
+        ),
+    ],
+)
+@pytest.mark.parametrize("counter_kind", ["heuristic", "hf-inline", "hf-thread"])
+@pytest.mark.parametrize("framework", ["starlette", "fastapi"])
+async def test_prompt_text_that_is_not_valid_unicode_is_one_422_for_every_counter(
+    body: bytes, field: str, at: str, counter_kind: str, framework: str
+) -> None:
+    """A lone surrogate escape is valid JSON (json.loads and FastAPI take it), but no tokenizer can
+    read the text: Hugging Face's raises TypeError (a 500), the heuristic would count it. Refused
+    before any counter runs, with the same answer whichever counter the middleware has."""
+    ledger = Ledger(10_000)
+    counter = RecordingCounter(COUNTERS[counter_kind]())
+    async with client(tagged_app(framework, ledger, counter)) as http:
+        response = await http.post("/generate", content=body, headers={"content-type": "application/json"})
+        served = await http.post("/generate", json={"prompt": "hello 🚀 world 显存"})
+    assert response.status_code == 422 and response.headers["content-type"] == "application/problem+json"
+    problem = response.json()
+    assert problem["type"] == "urn:gpu-asgi:problem:invalid-field" and problem["field"] == field
+    assert problem["detail"].startswith(f"{field!r} is not valid Unicode: a lone surrogate (")
+    assert at in problem["detail"]
+    assert served.status_code == 200 and served.json()["prompt_tokens"] > 0  # real non-ASCII text is fine
+    assert len(counter.threads) == 1  # only the second request was counted
+    assert (counter.threads[0] == threading.get_ident()) == (counter_kind != "hf-thread")
+    stats = ledger.statistics()
+    assert (stats.admitted_total, stats.reserved_bytes) == (1, 0)
+
+
+async def test_a_surrogate_pair_escape_is_one_character_and_admitted() -> None:
+    """Only a *lone* surrogate is refused: a pair is how JSON escapes a character above U+FFFF."""
+    ledger = Ledger(10_000)
+    async with client(make_app(ledger, echo, token_counter=HFTokenCounter(local_hf_tokenizer()))) as http:
+        response = await http.post(
+            "/generate", content=b'{"prompt": "GPU \\ud83d\\ude80"}', headers={"content-type": "application/json"}
+        )
+    assert response.status_code == 200, response.text
+    assert response.json()["prompt_tokens"] == len(local_hf_tokenizer().encode("GPU 🚀", add_special_tokens=False))
+
+
+# -- a route's own body limit (Starlette >= 1.6, FastAPI: max_body_size=) ------------------------
+
+
+class AskingLedger(Ledger):
+    """A real ledger that writes down every request for bytes the middleware makes of it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def try_reserve(self, nbytes: int, **options: Any) -> Reservation | None:
+        self.asked.append(nbytes)
+        return super().try_reserve(nbytes, **options)
+
+    async def reserve(self, nbytes: int, **options: Any) -> Reservation:
+        self.asked.append(nbytes)
+        return await super().reserve(nbytes, **options)
+
+
+def route_with_body_limit(framework: str, ledger: Ledger, max_body_size: int) -> Any:
+    """A tagged route with its own ``max_body_size``: Starlette's ``Route(...)`` or FastAPI's ``@app.post(...)``."""
+    import inspect
+
+    pytest.importorskip("starlette.middleware.body_limit", reason="per-route body limits are Starlette >= 1.6")
+    if framework == "starlette":
+        app: Any = Starlette(routes=[Route("/generate", echo, methods=["POST"], max_body_size=max_body_size)])
+    else:
+        if "max_body_size" not in inspect.signature(FastAPI.post).parameters:
+            pytest.skip("this FastAPI has no per-route max_body_size")
+        app = FastAPI()
+
+        @app.post("/generate", max_body_size=max_body_size)
+        @gpu_bound()
+        async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
+            return {"held": reservation.nbytes}
+
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
+    return app
+
+
+@pytest.mark.parametrize("framework", ["starlette", "fastapi"])
+async def test_a_chunked_body_over_the_routes_own_limit_is_our_413_before_anything_is_reserved(framework: str) -> None:
+    """Starlette's limiter sits inside gpu_asgi and publishes the route's limit in the scope; its own
+    413 would come only after admission, which may have queued for the bytes meanwhile."""
+    ledger = AskingLedger(10_000)
+    app = route_with_body_limit(framework, ledger, 64)
+    body = json.dumps({"prompt": "a " * 60, "max_new_tokens": 5}).encode()  # 140 bytes
+    raw = RawClient(app, http_scope(), [body[:70], body[70:]]).start()  # chunked: no Content-Length
+    await raw.finish()
+    assert raw.status == 413 and raw.header(b"content-type") == b"application/problem+json"
+    problem = raw.json()
+    assert problem["type"] == "urn:gpu-asgi:problem:body-too-large" and problem["limit_bytes"] == 64
+    assert problem["detail"] == "The body is larger than the limit of 64 bytes."
+    assert ledger.asked == []  # not even asked: nothing was reserved or queued for, at any moment
+    async with client(app) as http:
+        small = await http.post("/generate", json={"prompt": "a b", "max_new_tokens": 5})
+    assert small.status_code == 200 and small.json()["held"] == 7
+    assert ledger.asked == [7] and ledger.statistics().reserved_bytes == 0
+
+
+@pytest.mark.parametrize(("published", "max_body_bytes", "limit"), [(64, 1 << 20, 64), (1 << 20, 100, 100)])
+async def test_the_smaller_of_the_two_limits_is_checked_on_the_content_length_before_a_byte_is_read(
+    published: int, max_body_bytes: int, limit: int
+) -> None:
+    body_limit = pytest.importorskip("starlette.middleware.body_limit", reason="per-route body limits are Starlette >= 1.6")
+    ledger = AskingLedger(10_000)
+    scope = http_scope(headers=[(b"content-type", b"application/json"), (b"content-length", b"140")])
+    scope[body_limit.MAX_BODY_SIZE_SCOPE_KEY] = published  # as Starlette's RequestBodyLimitMiddleware publishes it
+    raw = RawClient(make_app(ledger, echo, max_body_bytes=max_body_bytes), scope, [b" " * 140]).start()
+    await raw.finish()
+    assert raw.status == 413 and raw.header(b"x-gpu-admission-reason") == b"body-too-large"
+    assert raw.json()["detail"] == f"The body announces 140 bytes; the limit is {limit}."
+    assert raw.incoming.qsize() == 1  # refused on the headers: the body was never read
+    assert ledger.asked == []

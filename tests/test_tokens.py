@@ -6,6 +6,8 @@ import pytest
 
 from gpu_asgi import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 
+from ._asgi import local_hf_tokenizer
+
 
 def test_heuristic_counts_bytes_and_digits_conservatively() -> None:
     counter = HeuristicTokenCounter()
@@ -29,6 +31,21 @@ def test_hf_counter_uses_the_tokenizer_without_special_tokens() -> None:
     assert counter.count("a b c") == 3
     assert counter.inline_limit == 10
     assert isinstance(counter, TokenCounter)
+
+
+def test_hf_counter_counts_what_a_real_fast_tokenizer_encodes() -> None:
+    tokenizer = local_hf_tokenizer()
+    counter = HFTokenCounter(tokenizer)
+    for text in ("hello world", "the quick brown fox 🚀 naïve 显存", ""):
+        assert counter.count(text) == len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_a_lone_surrogate_breaks_a_real_tokenizer_but_not_the_heuristic() -> None:
+    """Why the middleware refuses such text itself, before any counter runs (tests/test_middleware.py,
+    ``test_prompt_text_that_is_not_valid_unicode_...``): the two counters disagree on it."""
+    with pytest.raises(TypeError):
+        HFTokenCounter(local_hf_tokenizer()).count("hi \ud800")
+    assert HeuristicTokenCounter().count("hi \ud800") > 0  # counted as any non-ASCII character
 
 
 SAMPLES = {
