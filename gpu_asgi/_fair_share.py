@@ -60,6 +60,8 @@ class Standing:
     lead: Lead = NO_LEAD
     #: Bytes admitted per second while it had a waiter (``Account.admissions``); 0 while unknown.
     rate: float = 0.0
+    #: Bytes it holds (its quota's share in use: ``_prediction.quota_wait``).
+    held: int = 0
 
 
 def measure(others: Mapping[str, float], vt: float) -> Lead:
@@ -298,7 +300,7 @@ class FairShare:
         if tenant in self.accounts:
             accounts[tenant] = self.accounts[tenant]
         return {
-            name: Standing(a.vt_at(now), a.waiting, a.in_flight, a.lead, a.admissions.rate_at(now))
+            name: Standing(a.vt_at(now), a.waiting, a.in_flight, a.lead, a.admissions.rate_at(now), a.held)
             for name, a in accounts.items()
         }
 

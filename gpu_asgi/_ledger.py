@@ -393,14 +393,16 @@ class Ledger:
         tenants whose virtual time is below its own: ``lanes_ahead``) that are likely to be
         admitted first (``bytes_ahead``: its size class or smaller, and the larger heads the
         bounded bypass lets claim). While other tenants hold or wait, its own tenant's bytes
-        ahead at its tenant's admission rate instead (``predicted_wait``). With no release
-        observed yet, ``max_wait``, within the same range.
+        ahead at its tenant's admission rate instead (``predicted_wait``). A tenant with a quota
+        waits at least until enough of its own bytes have come back to make room for it
+        (``quota_wait``). With no release observed yet, ``max_wait``, within the same range.
         """
         lanes = [(key[0], key[1], key[3], len(self._lanes[key]), n) for key, n in self._lane_bytes.items()]
         standings = self._fair.standings(self._clock(), tenant)
         free = sum(device.free for device in self._all)
+        quota = self._fair.policy(tenant).quota_bytes
         return predicted_wait(
-            lanes, tenant, nbytes, priority, standings, free, self.release_rate(), self.max_bypass, self.max_wait
+            lanes, tenant, nbytes, priority, standings, free, self.release_rate(), self.max_bypass, self.max_wait, quota
         )
 
     def statistics(self) -> LedgerStatistics:

@@ -1,5 +1,7 @@
 """``Retry-After``'s model, the same for both ledgers: which queued bytes go before a request
-arriving now, and how long until it would be admitted (docs/admission.md, "Retry-After")."""
+arriving now, and how long until it would be admitted: until the device has room and, for a
+tenant with a quota, its own bytes have made room under it (docs/admission.md, "Retry-After"
+and "Retry-After with a quota")."""
 
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def predicted_wait(
     release_rate: float,
     max_bypass: int,
     max_wait: float,
+    quota: int | None = None,
 ) -> float:
     """``Retry-After`` for a request of ``tenant`` arriving now, the same in both ledgers.
 
@@ -58,16 +61,60 @@ def predicted_wait(
     ordered before it take, later arrivals with a lower virtual time included, which counting the
     bytes ahead now cannot. Otherwise (one tenant, or no rate yet): ``(bytes ahead by
     lanes_ahead + nbytes - free) / the ledger's release rate``.
+
+    With a ``quota`` (the tenant's ``quota_bytes``), the request is admitted only once its own
+    tenant's bytes have come back far enough too, so the wait is at least :func:`quota_wait`;
+    where the quota does not bind, the prediction is the device's alone, unchanged.
     """
     own = standings.get(tenant)
     shared = any(name != tenant and (s.waiting or s.in_flight) for name, s in standings.items())
     if own is not None and own.rate > 0 and shared:
-        mine = [(p, c, waiters, nb) for p, c, owner, waiters, nb in lanes if owner == tenant]
-        ahead, rate = bytes_ahead(mine, nbytes, priority, max_bypass), own.rate
+        ahead, rate = bytes_ahead(own_lanes(lanes, tenant), nbytes, priority, max_bypass), own.rate
     else:
         ahead = bytes_ahead(lanes_ahead(lanes, tenant, priority, standings), nbytes, priority, max_bypass)
         rate = release_rate
-    return retry_after(max(0, round(ahead) + nbytes - free), rate, max_wait)
+    wait = retry_after(max(0, round(ahead) + nbytes - free), rate, max_wait)
+    if quota is None:
+        return wait
+    return max(wait, quota_wait(lanes, tenant, nbytes, priority, own, quota, release_rate, max_bypass, max_wait))
+
+
+def quota_wait(
+    lanes: Sequence[tuple[int, int, str, int, int]],
+    tenant: str,
+    nbytes: int,
+    priority: int,
+    own: Standing | None,
+    quota: int,
+    release_rate: float,
+    max_bypass: int,
+    max_wait: float,
+) -> float:
+    """The wait until ``tenant``'s quota has room for ``nbytes`` after its own waiters ahead:
+    ``(its bytes held + its own bytes ahead + nbytes - quota) / its admission rate``; 0 when
+    that is not positive (the quota does not bind).
+
+    Only the tenant's own releases make room under its quota, whatever the device's free bytes.
+    Its admission rate is the pace of those releases: while it waits at its quota, each of its
+    waiters is admitted as its own bytes come back, and it is the rate both ledgers already keep
+    per tenant. Until that rate is known, the ledger's release rate, the model's fallback for a
+    tenant without one: the bytes coming back include the tenant's, so it errs toward a shorter
+    wait, the safe side for a deadline decision. Without that either, ``max_wait``, as every
+    ``Retry-After`` before a rate is known.
+    """
+    held = 0 if own is None else own.held
+    ahead = bytes_ahead(own_lanes(lanes, tenant), nbytes, priority, max_bypass)
+    over = held + round(ahead) + nbytes - quota
+    if over <= 0:
+        return 0.0
+    rate = own.rate if own is not None and own.rate > 0 else release_rate
+    return retry_after(over, rate, max_wait)
+
+
+def own_lanes(lanes: Iterable[tuple[int, int, str, int, int]], tenant: str) -> list[tuple[int, int, int, int]]:
+    """Of ``lanes`` (priority, size class, tenant, waiters, bytes), ``tenant``'s own, as
+    (priority, size class, waiters, bytes) for ``bytes_ahead``."""
+    return [(p, c, waiters, nb) for p, c, owner, waiters, nb in lanes if owner == tenant]
 
 
 def size_class(nbytes: int) -> int:

@@ -96,9 +96,18 @@ class Beat:
         )
 
     def retry_after(
-        self, capacities: Mapping[str, int], nbytes: int, max_wait: float, priority: int, max_bypass: int, tenant: str
+        self,
+        capacities: Mapping[str, int],
+        nbytes: int,
+        max_wait: float,
+        priority: int,
+        max_bypass: int,
+        tenant: str,
+        *,
+        quota: int | None,
     ) -> float:
-        """As :meth:`Ledger.retry_after <gpu_asgi.Ledger.retry_after>`, from this snapshot."""
+        """As :meth:`Ledger.retry_after <gpu_asgi.Ledger.retry_after>`, from this snapshot;
+        ``quota`` is ``tenant``'s ``quota_bytes`` (the config's, which the snapshot does not carry)."""
         lanes = []
         for key, n in self.counts.items():
             if key.startswith("bytes:"):
@@ -107,7 +116,7 @@ class Beat:
                 lanes.append((int(p), int(c), owner, self.counts.get("n:" + lane, 1), n))
         free = sum(capacity - self.reserved.get(name, 0) for name, capacity in capacities.items())
         return predicted_wait(
-            lanes, tenant, nbytes, priority, self.standings, free, self.release_rate, max_bypass, max_wait
+            lanes, tenant, nbytes, priority, self.standings, free, self.release_rate, max_bypass, max_wait, quota
         )
 
 
@@ -266,8 +275,9 @@ def _beat(missing: tuple[str, ...], snapshot: Sequence[Any]) -> Beat:
                 int(leases),
                 Lead(float(credit), text(low), float(high_credit), text(high)),
                 float(rate),
+                int(held),
             )
-            for name, _, leases, queued, _, _, vt, credit, low, high_credit, high, rate in tenants
+            for name, held, leases, queued, _, _, vt, credit, low, high_credit, high, rate in tenants
         },
     )
 

@@ -379,7 +379,8 @@ class RedisLedger:
         return state
 
     def _retry_after(self, beat: Beat, nbytes: int, priority: int, tenant: str) -> float:
-        return beat.retry_after(self._capacities, nbytes, self.max_wait, priority, self.max_bypass, tenant)
+        quota = self.tenant_policy(tenant).quota_bytes
+        return beat.retry_after(self._capacities, nbytes, self.max_wait, priority, self.max_bypass, tenant, quota=quota)
 
     async def _ask(self, call: Awaitable[_Answer]) -> _Answer | tuple[str, str]:
         """A script's answer; ``SLOW`` when it was only slow and Redis answers the probe (the next

@@ -25,6 +25,7 @@ from gpu_asgi import (
     Ledger,
     Reservation,
     RouteSpec,
+    TenantPolicy,
     gpu_bound,
 )
 from gpu_asgi._drain import RATE_WINDOW
@@ -430,3 +431,105 @@ async def test_bytes_freed_between_the_decision_and_joining_are_granted(
     assert answers == ["state", "granted"]
     assert redis_server.ledger_state(namespace) == {"reserved": NEED, "leases": 1, "tickets": 0, "queued": 0}
     reservation.release()
+
+
+# -- a tenant at its quota waits for its own bytes (docs/admission.md, "Retry-After with quotas") ---
+
+#: Busy seconds, weighted as the drain rate weighs them (``_drain``), of the 10 s the scenarios wait.
+TEN_SECONDS = RATE_WINDOW * -math.expm1(-10 / RATE_WINDOW)
+
+
+async def refreshed(ledger: BudgetLedger) -> float:
+    """The ledger's release rate, after a fresh snapshot (the Redis ledger's ``retry_after()`` reads it)."""
+    refresh = getattr(ledger, "refresh_statistics", None)
+    stats = await refresh() if refresh is not None else ledger.statistics()
+    return stats.release_rate_bytes_per_second
+
+
+async def capped_at_its_quota_with_its_own_rate(backend: Backend) -> tuple[BudgetLedger, Reservation]:
+    """A budget of 1,000 bytes; "capped" (quota 100) held 100 while its next 100 waited 10 s,
+    then was admitted as its first came back, while "warm" gave back 900: "capped"'s own bytes
+    come back at 100 per 10 waiting seconds, the device's at ten times that. Now "capped" holds
+    its whole quota on a device 90 % free, and nobody waits."""
+    ledger = backend.make(1000, tenants={"capped": TenantPolicy(quota_bytes=100)}, max_wait=1000)
+    warm = await ledger.reserve(900, tenant="warm")
+    first = await ledger.reserve(100, tenant="capped")
+    second = start(ledger, 100, tenant="capped")
+    await backend.queued(ledger, 1)
+    backend.clock.advance(10)
+    warm.release()
+    first.release()
+    holder = await asyncio.wait_for(second, 5)
+    await _redis.eventually(lambda: reserved_now(backend, ledger) == 100 and waiting_now(backend, ledger) == 0)
+    return ledger, holder
+
+
+async def test_a_tenant_at_its_quota_is_told_the_wait_for_its_own_bytes(backend: Backend) -> None:
+    """50 more bytes for "capped" need 50 of its own bytes back, at its own rate of 100 per
+    10 waiting seconds: about 4.3 s, not the 1 s that the device's 900 free bytes suggest (nor
+    the 0.43 s the device's rate would give); both ledgers alike, the Redis ledger's
+    ``retry_after()`` from its heartbeat."""
+    ledger, holder = await capped_at_its_quota_with_its_own_rate(backend)
+    assert await refreshed(ledger) == pytest.approx(1000 / TEN_SECONDS)
+    assert ledger.retry_after(50, tenant="capped") == pytest.approx(50 / (100 / TEN_SECONDS))
+    assert ledger.retry_after(50, tenant="capped") == pytest.approx(4.252, abs=1e-3)
+    holder.release()
+
+
+async def test_a_deadline_shorter_than_the_quota_wait_is_refused_and_a_longer_one_queues(backend: Backend) -> None:
+    ledger, holder = await capped_at_its_quota_with_its_own_rate(backend)
+    expected = 50 / (100 / TEN_SECONDS)
+    with pytest.raises(DeadlineUnmeetable) as refused:
+        await asyncio.wait_for(ledger.reserve(50, tenant="capped", wait_limit=2), 10)  # fail, never hang
+    assert refused.value.retry_after == pytest.approx(expected)
+    assert refused.value.extensions == {"predicted_wait_seconds": round(refused.value.retry_after, 3)}
+    assert waiting_now(backend, ledger) == 0  # never queued
+
+    waiter = start(ledger, 50, tenant="capped", wait_limit=10)
+    await backend.queued(ledger, 1)
+    assert not waiter.done()  # 900 bytes free, but the quota is full: it waits for "capped"'s own bytes
+    holder.release()
+    (await asyncio.wait_for(waiter, 5)).release()
+
+
+async def test_a_tenant_with_no_rate_of_its_own_is_told_the_wait_at_the_ledgers_release_rate(backend: Backend) -> None:
+    """QA's case: "capped" never waited, so its own rate is unknown; its 50 bytes are predicted
+    at the ledger's release rate (100 bytes per 10 busy seconds), not the 1 s floor: a deadline
+    of 2 s is refused at once, one of 10 s queues."""
+    ledger = backend.make(1000, tenants={"capped": TenantPolicy(quota_bytes=100)}, max_wait=1000)
+    warm = await ledger.reserve(100, tenant="warm")
+    backend.clock.advance(10)
+    warm.release()
+    await _redis.eventually(lambda: reserved_now(backend, ledger) == 0)
+    holder = await ledger.reserve(100, tenant="capped")
+    rate = await refreshed(ledger)
+    assert rate == pytest.approx(100 / TEN_SECONDS)
+    assert ledger.retry_after(50, tenant="capped") == pytest.approx(50 / rate)
+    with pytest.raises(DeadlineUnmeetable) as refused:
+        await asyncio.wait_for(ledger.reserve(50, tenant="capped", wait_limit=2), 10)  # fail, never hang
+    assert refused.value.retry_after == pytest.approx(50 / rate)
+    waiter = start(ledger, 50, tenant="capped", wait_limit=10)
+    await backend.queued(ledger, 1)
+    holder.release()
+    (await asyncio.wait_for(waiter, 5)).release()
+
+
+@pytest.mark.parametrize("quota", [None, 200, 1000])
+async def test_a_tenant_without_a_quota_or_within_it_is_predicted_as_before(backend: Backend, quota: int | None) -> None:
+    """The heavy backlog (100 bytes held, four waiters of 20, 10 bytes per busy second): a heavy
+    request of 20 is predicted (4 x 20 + 20) / rate, with no quota or one it stays within (200:
+    100 held + 80 ahead + 20 exactly fill it), and a light one 20 / rate; the quota term adds
+    nothing where it does not bind."""
+    tenants = {} if quota is None else {"heavy": TenantPolicy(quota_bytes=quota)}
+    ledger = backend.make(100, max_wait=1000, tenants=tenants)
+    holder, heavy = await heavy_backlog(backend, ledger, then=0)
+    rate = await refreshed(ledger)
+    assert ledger.retry_after(20, tenant="heavy") == pytest.approx(100 / rate)
+    assert ledger.retry_after(20, tenant="light") == pytest.approx(20 / rate)
+    with pytest.raises(DeadlineUnmeetable) as refused:
+        await asyncio.wait_for(ledger.reserve(20, tenant="heavy", wait_limit=5), 10)  # fail, never hang
+    assert refused.value.retry_after == pytest.approx(100 / rate)
+    for task in heavy:
+        task.cancel()
+    await asyncio.gather(*heavy, return_exceptions=True)
+    holder.release()

@@ -401,6 +401,27 @@ def test_a_tenants_own_rate_is_used_only_while_another_tenant_holds_or_waits() -
     assert wait(no_rate) == pytest.approx((400 + 200 + 100) / 50)  # u's lower virtual time puts it ahead
 
 
+def test_a_binding_quota_waits_for_the_tenants_own_bytes_at_its_own_rate() -> None:
+    """The quota's wait, (held + own bytes ahead + nbytes - quota) / the tenant's admission rate
+    (else the ledger's release rate, else max_wait), when it is longer than the device's; the
+    device's prediction alone wherever the quota does not bind."""
+    lanes = [(0, 7, "t", 2, 200), (0, 7, "u", 1, 100)]  # t's own 200 bytes ahead, and u's 100
+
+    def wait(standing: Standing, quota: int | None, release_rate: float = 50.0) -> float:
+        return predicted_wait(lanes, "t", 100, 0, {"t": standing}, 900, release_rate, 8, 30.0, quota)
+
+    own = Standing(10.0, 2, 1, rate=5.0, held=300)
+    assert wait(own, None) == 1.0  # the device has room: the floor
+    assert wait(own, 600) == 1.0  # 300 held + 200 ahead + 100 fill the quota exactly: it does not bind
+    assert wait(own, 500) == pytest.approx(100 / 5)  # 100 of its own bytes back at its own rate
+    no_rate = Standing(10.0, 2, 1, held=300)
+    assert wait(no_rate, 500) == pytest.approx(100 / 50)  # no rate of its own yet: the ledger's
+    assert wait(no_rate, 500, release_rate=0.0) == 30.0  # no rate at all: max_wait, as every hint
+    # The device's prediction when it is the longer: no free bytes, u (lower vt) ahead too.
+    device = predicted_wait(lanes, "t", 100, 0, {"t": no_rate, "u": Standing(1.0, 1, 1)}, 0, 50.0, 8, 30.0, 500)
+    assert device == pytest.approx((200 + 100 + 100) / 50)
+
+
 def test_an_admission_rate_counts_the_seconds_waited_since_the_last_admission() -> None:
     rate = DrainRate(0.0)
     rate.advance(0.5, busy=True)  # the first waiter
