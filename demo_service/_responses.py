@@ -46,8 +46,8 @@ _RETRY_AFTER = {
     }
 }
 _WHEN = {
-    400: "The body is not JSON, not UTF-8, or nested too deeply (gpu_asgi: invalid-json), or x-request-timeout "
-    "is not a positive number of seconds (invalid-header).",
+    400: "The body is not JSON, not UTF-8, nested too deeply, or holds an integer of more than 4300 digits "
+    "(gpu_asgi: invalid-json), or x-request-timeout is not a positive, finite number of seconds (invalid-header).",
     404: "The model named is not served here.",
     408: "The body was not received in time (gpu_asgi: body-timeout).",
     413: "The body is too large (body-too-large), or the request needs more GPU memory than the whole budget "

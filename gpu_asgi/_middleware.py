@@ -37,7 +37,7 @@ from ._ledger_contract import BudgetLedger
 from ._problems import send_problem
 from ._responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
 from ._sampler import DeviceSampler
-from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes
+from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes, declared_routes
 from ._tenants import TenantKey, named_tenants, tenant_keys
 from ._tokens import HeuristicTokenCounter, TokenCounter
 from ._types import ASGIApp, Receive, Scope, Send
@@ -50,6 +50,16 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT = 30.0
 
 logger = logging.getLogger("gpu_asgi")
+
+
+def _route_path(scope: Scope) -> str:
+    """The path below the app's mount point: ASGI's ``path`` includes ``root_path`` (a ``Mount``,
+    a proxy prefix), and explicit ``routes=`` name paths as the app itself sees them."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", ""):
+        return path[len(root):] or "/"
+    return path
 
 
 class _UnreadBody(GPUAdmissionError):
@@ -126,7 +136,7 @@ class GPUAdmissionMiddleware:
                 # helper coroutine: every POST, tagged or not, would pay for that frame.
                 responder = Responder(self, scope, receive, send)
                 if self._explicit:
-                    spec = self._explicit.get(scope["path"])
+                    spec = self._explicit.get(_route_path(scope))
                     if (
                         spec is not None and scope["method"] in spec.methods and ADMITTING_SCOPE_KEY not in scope
                         and not await responder.admit(spec)
@@ -165,11 +175,17 @@ class GPUAdmissionMiddleware:
         logger.error("%s", problem)
         if (await receive())["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.failed", "message": problem})
+        # Then raise, as Starlette's own lifespan does after a failed startup: a server stops on
+        # the message (and ignores the error), while Starlette's TestClient waits for the
+        # lifespan to end and, without the error, would carry on as if the app had started.
+        raise RuntimeError(problem)
 
     def _check_routes(self, scope: Scope) -> None:
         """Once: a tagged route that accepts a body-less method could run unadmitted; refuse it."""
         self._routes_checked = True
-        app = self.app if hasattr(self.app, "router") else scope.get("app")
+        # Our wrapped app declares the routes (through the middleware between us and its router);
+        # a host whose router is not reachable that way is the app the scope names.
+        app = self.app if declared_routes(self.app) is not None else scope.get("app")
         bad = bodyless_tagged_routes(app)
         if bad:
             self._routes_checked = False  # refuse every request until it is fixed

@@ -56,7 +56,7 @@ def matched_spec(scope: Scope) -> RouteSpec | None:
     """The spec of the endpoint the router chose for this request, if it chose a tagged one that
     no other GPUAdmissionMiddleware admits (a nested one nearer the router, whose body read
     reaches it first, or an outer one with explicit ``routes=``)."""
-    spec = route_spec_of(scope.get("endpoint"))
+    spec = route_spec_of(scope.get("endpoint"), scope["method"])
     if spec is None or ADMITTING_SCOPE_KEY in scope:
         return None
     methods = getattr(scope.get("route"), "methods", None)

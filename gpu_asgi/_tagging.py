@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from types import FunctionType, MethodType
 from typing import Any, TypeVar
+
+from starlette.endpoints import HTTPEndpoint
 
 from ._estimate import Estimator, check_estimator
 from ._ledger_contract import check_priority
@@ -127,15 +131,32 @@ def gpu_bound(
     return decorate
 
 
-def route_spec_of(endpoint: Any) -> RouteSpec | None:
-    """The spec an endpoint was tagged with (also through ``functools.partial``; a bound method
-    reads its function's attributes itself)."""
-    while endpoint is not None:
-        spec = getattr(endpoint, SPEC_ATTRIBUTE, None)
-        if spec is not None:
-            return spec  # type: ignore[no-any-return]
-        endpoint = getattr(endpoint, "func", None)
-    return None
+def route_spec_of(endpoint: Any, method: str | None = None) -> RouteSpec | None:
+    """The spec of what serves a request routed to ``endpoint`` with ``method``.
+
+    The endpoint's own tag (also through ``functools.partial``; a bound method reads its function's
+    attributes itself); else, following how the endpoint dispatches: for an ``HTTPEndpoint`` class,
+    the handler of ``method`` (none: it answers 405 unread); for an ASGI app instance, its
+    ``__call__``. ``method=None`` asks only for the endpoint's own tag, or its ``__call__``'s.
+    """
+    spec = getattr(endpoint, SPEC_ATTRIBUTE, None)
+    if spec is not None or endpoint is None:
+        return spec
+    if isinstance(endpoint, functools.partial):
+        return route_spec_of(endpoint.func, method)
+    if isinstance(endpoint, type):
+        if method is None or not issubclass(endpoint, HTTPEndpoint):
+            return None
+        handler = getattr(endpoint, _handler_name(endpoint, method), None)
+        return getattr(handler, SPEC_ATTRIBUTE, None)
+    if isinstance(endpoint, (FunctionType, MethodType)):
+        return None
+    return getattr(type(endpoint).__call__, SPEC_ATTRIBUTE, None)
+
+
+def _handler_name(endpoint: type[HTTPEndpoint], method: str) -> str:
+    """The method ``HTTPEndpoint.dispatch`` calls: ``get`` serves ``HEAD`` unless there is a ``head``."""
+    return "get" if method == "HEAD" and not hasattr(endpoint, "head") else method.lower()
 
 
 def bodyless_tagged_routes(app: Any) -> list[str]:
@@ -143,14 +164,26 @@ def bodyless_tagged_routes(app: Any) -> list[str]:
 
     A declaration check run once at startup, not routing: it walks the routes as declared
     (mounts, hosts and FastAPI's included routers), so a mistake shows before any request.
+    ``app`` may be wrapped (middleware, a bare ``Router``): the ``.app`` chain is followed to the
+    first object that declares routes.
     """
-    router = getattr(app, "router", None)
-    routes = getattr(router, "routes", None)
-    if routes is None:
-        routes = getattr(app, "routes", None)
     found: list[str] = []
-    _walk(routes or (), "", found)
+    _walk(declared_routes(app) or (), "", found)
     return found
+
+
+def declared_routes(app: Any) -> Iterable[Any] | None:
+    """The routes ``app`` declares, through wrapping middleware; None for an app without a router."""
+    seen: set[int] = set()
+    while app is not None and id(app) not in seen:
+        seen.add(id(app))
+        routes = getattr(getattr(app, "router", None), "routes", None)
+        if routes is None:
+            routes = getattr(app, "routes", None)
+        if routes is not None:
+            return routes  # type: ignore[no-any-return]
+        app = getattr(app, "app", None)  # a middleware's wrapped app
+    return None
 
 
 def _walk(routes: Iterable[Any], prefix: str, found: list[str]) -> None:
@@ -164,7 +197,10 @@ def _walk(routes: Iterable[Any], prefix: str, found: list[str]) -> None:
         children = getattr(route, "routes", None)  # Mount, Host, a mounted app
         if children is not None:
             _walk(children, path, found)
-            continue
-        methods = getattr(route, "methods", None)
-        if methods and methods & BODYLESS_METHODS and route_spec_of(getattr(route, "endpoint", None)) is not None:
-            found.append(f"{'/'.join(sorted(methods))} {path}")
+        # A Route's endpoint, or what a Mount/Host writes as the endpoint (the app it holds).
+        endpoint = getattr(route, "endpoint", None) if children is None else getattr(route, "app", None)
+        methods = getattr(route, "methods", None)  # None: the route takes every method
+        bodyless = sorted(BODYLESS_METHODS if methods is None else methods & BODYLESS_METHODS)
+        tagged = [method for method in bodyless if route_spec_of(endpoint, method) is not None]
+        if tagged:
+            found.append(f"{'/'.join(sorted(methods) if methods else tagged)} {path}")

@@ -666,7 +666,8 @@ async def test_a_tagged_route_for_get_only_refuses_to_start() -> None:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    with pytest.raises(RuntimeError, match="GET /v1/generate"):  # after the message, as Starlette's own lifespan does
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
     assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
     assert "GET /v1/generate" in sent[0]["message"] and not started
     # Without a lifespan, the first request says the same instead of running the route unadmitted.
@@ -691,11 +692,45 @@ def test_a_trio_host_fails_at_startup_with_a_clear_message() -> None:
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
 
-        await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+        with pytest.raises(RuntimeError, match="asyncio only"):
+            await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
 
     trio.run(main)
     assert [m["type"] for m in sent] == ["lifespan.startup.failed"]
     assert "asyncio only" in sent[0]["message"]
+
+
+def test_a_refused_startup_fails_the_test_client_instead_of_hanging_it() -> None:
+    """Starlette's TestClient waits for the lifespan to end after ``lifespan.startup.failed``;
+    it must end with the error, not leave the client entered on an app that refused to start."""
+    import threading
+    import warnings
+
+    from starlette.testclient import TestClient
+
+    @gpu_bound()
+    async def both(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ran")
+
+    app = Starlette(routes=[Route("/generate", both, methods=["GET", "POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(100), estimator=ONE_BYTE_PER_TOKEN)
+    outcome: list[BaseException | str] = []
+
+    def enter() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Starlette 1.x asks for httpx2 under its TestClient
+            try:
+                with TestClient(app):
+                    outcome.append("entered")
+            except BaseException as error:
+                outcome.append(error)
+
+    thread = threading.Thread(target=enter, daemon=True)  # a hang must fail the test, not stall the run
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the TestClient hung on an app that refused to start"
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert "GET/HEAD/POST /generate" in str(outcome[0])
 
 
 async def test_nested_middlewares_admit_once() -> None:

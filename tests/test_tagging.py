@@ -7,7 +7,11 @@ import functools
 import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
-from starlette.routing import Mount, Route
+from starlette.endpoints import HTTPEndpoint
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Host, Mount, Route, Router
 
 from gpu_asgi import RouteSpec, gpu_bound
 from gpu_asgi._tagging import bodyless_tagged_routes, route_spec_of
@@ -78,3 +82,53 @@ def test_bodyless_tagged_routes_are_found_wherever_they_are_declared() -> None:
     parent = Starlette(routes=[Mount("/fa", app=app), Mount("/st", app=sub)])
     assert bodyless_tagged_routes(parent) == ["GET /fa/api/v1/inner", "GET/HEAD /st/gen", "GET/HEAD/POST /st/both"]
     assert bodyless_tagged_routes(object()) == []  # a pure ASGI app: nothing declared to check
+
+
+class Generate(HTTPEndpoint):
+    @gpu_bound(priority=3)
+    async def post(self, request: Request) -> PlainTextResponse: ...
+
+    async def get(self, request: Request) -> PlainTextResponse: ...
+
+
+class TaggedGet(HTTPEndpoint):
+    @gpu_bound()
+    async def get(self, request: Request) -> PlainTextResponse: ...
+
+
+class AsgiApp:
+    @gpu_bound(priority=4)
+    async def __call__(self, scope: object, receive: object, send: object) -> None: ...
+
+
+def test_a_spec_follows_how_the_endpoint_dispatches() -> None:
+    assert route_spec_of(Generate, "POST").priority == 3  # type: ignore[union-attr]
+    assert route_spec_of(Generate, "GET") is None
+    assert route_spec_of(Generate, "PUT") is None  # no handler: HTTPEndpoint answers 405
+    assert route_spec_of(Generate) is None  # which handler runs depends on the method
+    assert route_spec_of(TaggedGet, "HEAD") is not None  # get serves HEAD when there is no head
+    assert route_spec_of(AsgiApp(), "POST").priority == 4  # type: ignore[union-attr]
+    assert route_spec_of(functools.partial(AsgiApp()), "POST").priority == 4  # type: ignore[union-attr]
+    assert route_spec_of(Starlette(), "POST") is None
+
+
+@gpu_bound()
+async def tagged_both(request: Request) -> PlainTextResponse: ...
+
+
+def test_the_startup_check_finds_tagged_bodyless_methods_behind_wrappers_and_dispatch() -> None:
+    declared = [Route("/gen", tagged_both, methods=["GET", "POST"])]
+    assert bodyless_tagged_routes(Router(declared)) == ["GET/HEAD/POST /gen"]  # a bare Router
+    wrapped = CORSMiddleware(Starlette(routes=declared), allow_origins=["*"])  # middleware around the app
+    assert bodyless_tagged_routes(wrapped) == ["GET/HEAD/POST /gen"]
+    app = Starlette(routes=[
+        Route("/generate", Generate),  # tagged post, untagged get: fine
+        Route("/tagged-get", TaggedGet),  # no methods declared: every method reaches its get
+        Route("/asgi", AsgiApp()),  # an ASGI app with no methods declared takes GET too
+        Route("/asgi-post", AsgiApp(), methods=["POST"]),  # fine
+        Mount("/mounted", app=AsgiApp()),  # a Mount takes every method
+        Host("gpu.example", app=Router([Route("/h", tagged_both, methods=["GET"])])),
+    ])
+    assert bodyless_tagged_routes(app) == [
+        "GET/HEAD /tagged-get", "GET/HEAD/OPTIONS/TRACE /asgi", "GET/HEAD/OPTIONS/TRACE /mounted", "GET/HEAD /h",
+    ]

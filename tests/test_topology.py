@@ -15,11 +15,12 @@ import httpx
 import pytest
 from fastapi import APIRouter, Depends, FastAPI
 from starlette.applications import Starlette
+from starlette.endpoints import HTTPEndpoint
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Host, Mount, Route, Router
 
-from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation, gpu_bound, gpu_reservation
+from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation, RouteSpec, gpu_bound, gpu_reservation
 
 from ._asgi import Words
 
@@ -36,6 +37,43 @@ async def tagged(request: Request) -> JSONResponse:
 
 async def untagged(request: Request) -> PlainTextResponse:
     return PlainTextResponse(await request.body())
+
+
+class TaggedEndpoint(HTTPEndpoint):
+    """A class endpoint: the router names the class, which dispatches on the method."""
+
+    @gpu_bound()
+    async def post(self, request: Request) -> JSONResponse:
+        return await tagged(request)
+
+    async def get(self, request: Request) -> PlainTextResponse:
+        return PlainTextResponse("untagged get")
+
+
+class UntaggedEndpoint(HTTPEndpoint):
+    async def post(self, request: Request) -> PlainTextResponse:
+        return await untagged(request)
+
+
+class AsgiEndpoint:
+    """An ASGI app instance as a route's endpoint, tagged on its ``__call__`` or not."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        reservation = scope.get("state", {}).get("gpu_reservation")
+        response = PlainTextResponse(body) if reservation is None else JSONResponse({"held": reservation.nbytes})
+        await response(scope, receive, send)
+
+
+class TaggedAsgiEndpoint(AsgiEndpoint):
+    @gpu_bound()
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await super().__call__(scope, receive, send)
 
 
 def fastapi_routes(router: FastAPI | APIRouter, tagged_path: str, untagged_path: str) -> None:
@@ -152,10 +190,38 @@ def routes_added_late() -> Shape:
     return shape
 
 
+def http_endpoint_classes() -> Shape:
+    app = Starlette(routes=[Route("/gen", TaggedEndpoint), Route("/echo", UntaggedEndpoint)])
+    return Shape(app, with_middleware(app), "/gen", "/echo")
+
+
+def asgi_app_instances() -> Shape:
+    app = Starlette(routes=[
+        Route("/gen", TaggedAsgiEndpoint(), methods=["POST"]), Route("/echo", AsgiEndpoint(), methods=["POST"]),
+    ])
+    return Shape(app, with_middleware(app), "/gen", "/echo")
+
+
+def explicit_routes_mounted_under_a_parent() -> Shape:
+    """A pure ASGI host (no router of its own) served under a parent's Mount: its ``routes=``
+    name paths as the host sees them, below the mount point."""
+    ledger = Ledger(1000)
+    host = GPUAdmissionMiddleware(AsgiEndpoint(), ledger=ledger, routes={"/gen": RouteSpec()}, **OPTIONS)
+    return Shape(Starlette(routes=[Mount("/api", app=host)]), ledger, "/api/gen", "/api/echo")
+
+
+def explicit_routes_behind_a_proxy_prefix() -> Shape:
+    ledger = Ledger(1000)
+    host = GPUAdmissionMiddleware(AsgiEndpoint(), ledger=ledger, routes={"/gen": RouteSpec()}, **OPTIONS)
+    return Shape(host, ledger, "/prefix/gen", "/prefix/echo", root_path="/prefix")
+
+
 SHAPES = [
     routes_on_the_app, nested_router_prefixes, path_parameters, mount_with_routes,
     fastapi_sub_app_under_a_parent_with_the_middleware, wrapped_app_mounted_under_a_parent,
     host_routes_same_path("cpu"), host_routes_same_path("gpu"), root_path, routes_added_late,
+    http_endpoint_classes, asgi_app_instances, explicit_routes_mounted_under_a_parent,
+    explicit_routes_behind_a_proxy_prefix,
 ]
 
 
@@ -185,3 +251,16 @@ async def test_the_router_decides_in_every_shape(build: Callable[[], Shape]) -> 
     stats = shape.ledger.statistics()
     assert stats.admitted_total == admitted_before + 1, "only the tagged request took bytes"
     assert (stats.reserved_bytes, stats.in_flight, stats.waiting) == (0, 0, 0)
+
+
+async def test_a_class_endpoint_admits_only_the_methods_whose_handlers_are_tagged() -> None:
+    app = Starlette(routes=[Route("/gen", TaggedEndpoint)])
+    ledger = with_middleware(app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        get = await http.get("/gen")
+        no_handler = await http.put("/gen", content=RAW)  # HTTPEndpoint answers 405, unread
+        posted = await http.post("/gen", json=PROMPT)
+    assert (get.status_code, get.text) == (200, "untagged get")
+    assert no_handler.status_code == 405
+    assert posted.json() == {"held": 8}
+    assert ledger.statistics().admitted_total == 1
