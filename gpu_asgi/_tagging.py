@@ -28,6 +28,10 @@ DEFAULT_CHAT_TEMPLATE_TOKENS = 32
 #: route may not accept these, and requests with them always pass through (docs/admission.md).
 BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
+#: Endpoints called as they are (a function, a bound method; None: no route matched): their own
+#: tag is the whole answer. Tested first, as most endpoints are plain functions.
+_CALLED_AS_IS = frozenset({FunctionType, MethodType, type(None)})
+
 PromptGetter = Callable[[Any], "str | Sequence[str]"]
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -140,7 +144,7 @@ def route_spec_of(endpoint: Any, method: str | None = None) -> RouteSpec | None:
     ``__call__``. ``method=None`` asks only for the endpoint's own tag, or its ``__call__``'s.
     """
     spec = getattr(endpoint, SPEC_ATTRIBUTE, None)
-    if spec is not None or endpoint is None:
+    if spec is not None or type(endpoint) in _CALLED_AS_IS:
         return spec
     if isinstance(endpoint, functools.partial):
         return route_spec_of(endpoint.func, method)
@@ -149,8 +153,6 @@ def route_spec_of(endpoint: Any, method: str | None = None) -> RouteSpec | None:
             return None
         handler = getattr(endpoint, _handler_name(endpoint, method), None)
         return getattr(handler, SPEC_ATTRIBUTE, None)
-    if isinstance(endpoint, (FunctionType, MethodType)):
-        return None
     return getattr(type(endpoint).__call__, SPEC_ATTRIBUTE, None)
 
 
