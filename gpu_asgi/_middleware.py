@@ -186,6 +186,12 @@ class GPUAdmissionMiddleware:
         # Our wrapped app declares the routes (through the middleware between us and its router);
         # a host whose router is not reachable that way is the app the scope names.
         app = self.app if declared_routes(self.app) is not None else scope.get("app")
+        if declared_routes(app) is None and not self._explicit:
+            logger.warning(
+                "gpu_asgi cannot check the routes at startup: no router is reachable from %r through `.app`, "
+                "so a tagged route that also takes GET is not refused. Admission still follows the router at "
+                "each request; an app without a router names its GPU-bound paths with routes={...}.", self.app,
+            )
         bad = bodyless_tagged_routes(app)
         if bad:
             self._routes_checked = False  # refuse every request until it is fixed

@@ -60,7 +60,7 @@ def matched_spec(scope: Scope) -> RouteSpec | None:
     if spec is None or ADMITTING_SCOPE_KEY in scope:
         return None
     methods = getattr(scope.get("route"), "methods", None)
-    if methods is not None and scope["method"] not in methods:
+    if methods and scope["method"] not in methods:  # no methods (None, or empty): every method
         return None  # matched the path, not the method: the route answers 405 without reading
     return spec
 

@@ -31,6 +31,8 @@ BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: Endpoints called as they are (a function, a bound method; None: no route matched): their own
 #: tag is the whole answer. Tested first, as most endpoints are plain functions.
 _CALLED_AS_IS = frozenset({FunctionType, MethodType, type(None)})
+#: How many wrappers (partials, middleware) are followed to an endpoint: a bound on a cycle.
+_MAX_WRAPPERS = 32
 
 PromptGetter = Callable[[Any], "str | Sequence[str]"]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -129,31 +131,40 @@ def gpu_bound(
     )
 
     def decorate(endpoint: F) -> F:
-        setattr(endpoint, SPEC_ATTRIBUTE, spec)
+        # Above @staticmethod/@classmethod the tag goes on the function: the descriptor's own
+        # attributes are not what the class hands out.
+        target = endpoint.__func__ if isinstance(endpoint, staticmethod | classmethod) else endpoint
+        setattr(target, SPEC_ATTRIBUTE, spec)
         return endpoint
 
     return decorate
 
 
-def route_spec_of(endpoint: Any, method: str | None = None) -> RouteSpec | None:
+def route_spec_of(endpoint: Any, method: str | None = None, _depth: int = 0) -> RouteSpec | None:
     """The spec of what serves a request routed to ``endpoint`` with ``method``.
 
     The endpoint's own tag (also through ``functools.partial``; a bound method reads its function's
     attributes itself); else, following how the endpoint dispatches: for an ``HTTPEndpoint`` class,
     the handler of ``method`` (none: it answers 405 unread); for an ASGI app instance, its
-    ``__call__``. ``method=None`` asks only for the endpoint's own tag, or its ``__call__``'s.
+    ``__call__``; for a middleware around the endpoint, the app it wraps (``.app``).
+    ``method=None`` asks only for tags that do not depend on the method.
     """
     spec = getattr(endpoint, SPEC_ATTRIBUTE, None)
-    if spec is not None or type(endpoint) in _CALLED_AS_IS:
+    if spec is not None or type(endpoint) in _CALLED_AS_IS or _depth == _MAX_WRAPPERS:
         return spec
     if isinstance(endpoint, functools.partial):
-        return route_spec_of(endpoint.func, method)
+        return route_spec_of(endpoint.func, method, _depth + 1)
     if isinstance(endpoint, type):
         if method is None or not issubclass(endpoint, HTTPEndpoint):
             return None
         handler = getattr(endpoint, _handler_name(endpoint, method), None)
         return getattr(handler, SPEC_ATTRIBUTE, None)
-    return getattr(type(endpoint).__call__, SPEC_ATTRIBUTE, None)
+    spec = getattr(type(endpoint).__call__, SPEC_ATTRIBUTE, None)
+    if spec is not None:
+        return spec  # type: ignore[no-any-return]
+    # A middleware around the endpoint: what a Mount(app=..., middleware=[...]) names as its
+    # endpoint. Such middleware keeps the app it wraps as `.app` (Starlette's all do).
+    return route_spec_of(getattr(endpoint, "app", None), method, _depth + 1)
 
 
 def _handler_name(endpoint: type[HTTPEndpoint], method: str) -> str:
@@ -201,7 +212,7 @@ def _walk(routes: Iterable[Any], prefix: str, found: list[str]) -> None:
             _walk(children, path, found)
         # A Route's endpoint, or what a Mount/Host writes as the endpoint (the app it holds).
         endpoint = getattr(route, "endpoint", None) if children is None else getattr(route, "app", None)
-        methods = getattr(route, "methods", None)  # None: the route takes every method
+        methods = getattr(route, "methods", None) or None  # None (or empty): the route takes every method
         bodyless = sorted(BODYLESS_METHODS if methods is None else methods & BODYLESS_METHODS)
         tagged = [method for method in bodyless if route_spec_of(endpoint, method) is not None]
         if tagged:

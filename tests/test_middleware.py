@@ -1223,3 +1223,30 @@ async def test_the_smaller_of_the_two_limits_is_checked_on_the_content_length_be
     assert raw.json()["detail"] == f"The body announces 140 bytes; the limit is {limit}."
     assert raw.incoming.qsize() == 1  # refused on the headers: the body was never read
     assert ledger.asked == []
+
+
+async def test_a_router_hidden_from_the_startup_check_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A middleware that keeps its app out of sight (a closure, not ``.app``) hides the routes from
+    the startup check: say so once, instead of passing a tagged GET route silently."""
+    @gpu_bound()
+    async def both(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("ran")
+
+    inner = Starlette(routes=[Route("/generate", both, methods=["GET", "POST"])])
+
+    def hiding(app: Any) -> Any:
+        async def middleware(scope: Any, receive: Any, send: Any) -> None:
+            await app(scope, receive, send)
+        return middleware
+
+    visible = GPUAdmissionMiddleware(inner, ledger=Ledger(100), estimator=ONE_BYTE_PER_TOKEN)
+    hidden = GPUAdmissionMiddleware(hiding(inner), ledger=Ledger(100), estimator=ONE_BYTE_PER_TOKEN)
+    with caplog.at_level("WARNING", logger="gpu_asgi"):
+        async with client(visible) as http:
+            with pytest.raises(RuntimeError, match="GET/HEAD/POST /generate"):  # refused: the check saw the route
+                await http.get("/generate")
+        assert "cannot check the routes" not in caplog.text
+        async with client(hidden) as http:
+            await http.get("/generate")
+            await http.get("/generate")
+    assert caplog.text.count("cannot check the routes at startup") == 1

@@ -8,7 +8,9 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
 from starlette.endpoints import HTTPEndpoint
+from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Host, Mount, Route, Router
@@ -110,6 +112,8 @@ def test_a_spec_follows_how_the_endpoint_dispatches() -> None:
     assert route_spec_of(AsgiApp(), "POST").priority == 4  # type: ignore[union-attr]
     assert route_spec_of(functools.partial(AsgiApp()), "POST").priority == 4  # type: ignore[union-attr]
     assert route_spec_of(Starlette(), "POST") is None
+    assert route_spec_of(GZipMiddleware(Generate), "POST").priority == 3  # type: ignore[union-attr]  # through .app
+    assert route_spec_of(GZipMiddleware(GZipMiddleware(AsgiApp())), "GET").priority == 4  # type: ignore[union-attr]
 
 
 @gpu_bound()
@@ -128,7 +132,26 @@ def test_the_startup_check_finds_tagged_bodyless_methods_behind_wrappers_and_dis
         Route("/asgi-post", AsgiApp(), methods=["POST"]),  # fine
         Mount("/mounted", app=AsgiApp()),  # a Mount takes every method
         Host("gpu.example", app=Router([Route("/h", tagged_both, methods=["GET"])])),
+        Route("/empty", AsgiApp(), methods=[]),  # Starlette reads no methods as every method
+        Mount("/wrapped", app=AsgiApp(), middleware=[Middleware(GZipMiddleware)]),  # the Mount names the middleware
+        Mount("/wrapped-get", app=TaggedGet, middleware=[Middleware(GZipMiddleware)]),
+        Mount("/wrapped-post", app=Generate, middleware=[Middleware(GZipMiddleware)]),  # fine
     ])
     assert bodyless_tagged_routes(app) == [
         "GET/HEAD /tagged-get", "GET/HEAD/OPTIONS/TRACE /asgi", "GET/HEAD/OPTIONS/TRACE /mounted", "GET/HEAD /h",
+        "GET/HEAD/OPTIONS/TRACE /empty", "GET/HEAD/OPTIONS/TRACE /wrapped", "GET/HEAD /wrapped-get",
     ]
+
+
+def test_the_tag_may_go_above_staticmethod_and_classmethod() -> None:
+    class Endpoints:
+        @gpu_bound(priority=5)
+        @staticmethod
+        async def static(request: Request) -> None: ...
+
+        @gpu_bound(priority=6)
+        @classmethod
+        async def of_class(cls, request: Request) -> None: ...
+
+    assert route_spec_of(Endpoints.static).priority == 5  # type: ignore[union-attr]
+    assert route_spec_of(Endpoints.of_class).priority == 6  # type: ignore[union-attr]

@@ -16,6 +16,8 @@ import pytest
 from fastapi import APIRouter, Depends, FastAPI
 from starlette.applications import Starlette
 from starlette.endpoints import HTTPEndpoint
+from starlette.middleware import Middleware
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Host, Mount, Route, Router
@@ -202,6 +204,15 @@ def asgi_app_instances() -> Shape:
     return Shape(app, with_middleware(app), "/gen", "/echo")
 
 
+def endpoints_mounted_with_middleware() -> Shape:
+    """``Mount(app=..., middleware=[...])`` names the middleware around the endpoint as the endpoint."""
+    gzip = [Middleware(GZipMiddleware)]
+    app = Starlette(routes=[
+        Mount("/gen", app=TaggedEndpoint, middleware=gzip), Mount("/echo", app=UntaggedEndpoint, middleware=gzip),
+    ])
+    return Shape(app, with_middleware(app), "/gen/qwen", "/echo/qwen")
+
+
 def explicit_routes_mounted_under_a_parent() -> Shape:
     """A pure ASGI host (no router of its own) served under a parent's Mount: its ``routes=``
     name paths as the host sees them, below the mount point."""
@@ -220,7 +231,7 @@ SHAPES = [
     routes_on_the_app, nested_router_prefixes, path_parameters, mount_with_routes,
     fastapi_sub_app_under_a_parent_with_the_middleware, wrapped_app_mounted_under_a_parent,
     host_routes_same_path("cpu"), host_routes_same_path("gpu"), root_path, routes_added_late,
-    http_endpoint_classes, asgi_app_instances, explicit_routes_mounted_under_a_parent,
+    http_endpoint_classes, asgi_app_instances, endpoints_mounted_with_middleware, explicit_routes_mounted_under_a_parent,
     explicit_routes_behind_a_proxy_prefix,
 ]
 
