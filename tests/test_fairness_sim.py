@@ -5,15 +5,18 @@ admission, fewer requests time out in the queue."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpu_asgi import AnalyticEstimator, budget_bytes
-from tests._redis import requires_redis_server
+from gpu_asgi import AnalyticEstimator, TenantPolicy, budget_bytes
+from tests import _redis
+from tests._redis import RedisServer, eventually, requires_redis_server
 from tests.benchmarks._backlog import Tracker
 from tests.benchmarks.bench_fairness import (
     HEAVY,
@@ -25,11 +28,14 @@ from tests.benchmarks.bench_fairness import (
     fresh,
     jain,
     main,
+    predicted_waits,
     simulate,
     tenant_workload,
     verdict,
 )
 from tests.benchmarks.bench_overload import DEVICE_BYTES, QWEN2_1_5B, RUNTIME_OVERHEAD, WEIGHTS_BYTES
+
+redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
 
 
 def test_jain_index() -> None:
@@ -222,3 +228,22 @@ def test_the_redis_deadline_runs_cover_the_in_process_ones_arrival_sequences(
         counted = sum(summed["redis"][run][k] for k in ("ok", "rejected", "unmeetable", "timeout", "oom"))
         assert counted == 2 * 80  # every request of both sequences, each counted once
     assert any(entry["seeds"] == [7] and entry["ledger"] == "memory" for entry in entries)  # seed 7's twin rows
+
+
+@requires_redis_server
+async def test_the_redis_spy_records_the_prediction_the_deadline_decision_makes(
+    redis_server: RedisServer, namespace: str
+) -> None:
+    """The benchmark reads the Redis ledger's predicted waits through a spy on its deadline
+    decision; the spy must compute them as the decision does (a tenant quota changed its
+    arguments once, and every Redis deadline run then failed)."""
+    from gpu_asgi.redis_ledger import RedisLedger
+
+    async with RedisLedger(redis_server.url, 100, namespace=namespace, tenants={"a": TenantPolicy(quota_bytes=60)}) as ledger:
+        predictions = predicted_waits(ledger)
+        first = await ledger.reserve(60, tenant="a")
+        waiting = asyncio.ensure_future(ledger.reserve(50, tenant="a", timeout=10, wait_limit=30))
+        await eventually(lambda: ledger.statistics().waiting == 1)
+        first.release()
+        (await waiting).release()
+    assert list(predictions) == [waiting] and math.isfinite(predictions[waiting]) and predictions[waiting] > 0

@@ -336,9 +336,8 @@ def predicted_waits(ledger: BudgetLedger) -> dict[asyncio.Task[Any] | None, floa
         return predictions
 
     def spy(beat: Any, nbytes: int, priority: int, tenant: str, wait_limit: float | None) -> Any:
-        predictions[asyncio.current_task()] = beat.retry_after(
-            ledger._capacities, nbytes, ledger.max_wait, priority, ledger.max_bypass, tenant  # type: ignore[attr-defined]
-        )
+        # The prediction the decision makes from that state (the tenant's quota included).
+        predictions[asyncio.current_task()] = ledger._retry_after(beat, nbytes, priority, tenant)  # type: ignore[attr-defined]
         return decide(beat, nbytes, priority, tenant, wait_limit)
 
     ledger._unmeetable = spy  # type: ignore[attr-defined]
