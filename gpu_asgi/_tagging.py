@@ -187,9 +187,9 @@ def bodyless_tagged_routes(app: Any) -> list[str]:
 
 def declared_routes(app: Any) -> Iterable[Any] | None:
     """The routes ``app`` declares, through wrapping middleware; None for an app without a router."""
-    seen: set[int] = set()
-    while app is not None and id(app) not in seen:
-        seen.add(id(app))
+    for _ in range(_MAX_WRAPPERS):  # the same bound as route_spec_of's on following `.app`
+        if app is None:
+            return None
         routes = getattr(getattr(app, "router", None), "routes", None)
         if routes is None:
             routes = getattr(app, "routes", None)
