@@ -3,11 +3,15 @@
 Everything public is importable from here; the modules behind it are private.
 """
 
-from ._admission import Admission
-from ._analytic import AnalyticEstimator
-from ._calibration import CalibratedEstimator, PeakCalibration
-from ._dependencies import gpu_admission, gpu_reservation
-from ._device_policy import DeviceGuard, ThermalPolicy
+from ._admission.gate import Admission
+from ._admission.tenant_keys import TenantKey, api_key_tenant
+from ._asgi.dependencies import gpu_admission, gpu_reservation
+from ._asgi.middleware import GPUAdmissionMiddleware
+from ._asgi.routes import RouteSpec, gpu_bound
+from ._device.executor import DeviceExecutor
+from ._device.policy import DeviceGuard, ThermalPolicy
+from ._device.probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe
+from ._device.sampler import DeviceSampler, DeviceSnapshot
 from ._errors import (
     AdmissionRejected,
     BodyError,
@@ -29,7 +33,9 @@ from ._errors import (
     QueueTimeout,
     UnsupportedMediaType,
 )
-from ._estimate import (
+from ._estimate.analytic import AnalyticEstimator
+from ._estimate.calibration import CalibratedEstimator, PeakCalibration
+from ._estimate.linear import (
     Estimator,
     LinearEstimator,
     budget_bytes,
@@ -37,21 +43,15 @@ from ._estimate import (
     cuda_peak_measurer,
     fit_linear,
 )
-from ._executor import DeviceExecutor
-from ._health import health_report, health_router
-from ._ledger import Ledger
-from ._ledger_contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation
-from ._ledger_url import ledger_from_url
-from ._metrics import GPUMetrics
-from ._middleware import GPUAdmissionMiddleware
-from ._otel_config import configure_tracing
-from ._probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe
-from ._sampler import DeviceSampler, DeviceSnapshot
-from ._tagging import RouteSpec, gpu_bound
-from ._telemetry import Phase, gpu_phase
-from ._tenancy import DEFAULT_TENANT, TenantPolicy, TenantStatistics
-from ._tenants import TenantKey, api_key_tenant
-from ._tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
+from ._estimate.tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
+from ._ledger.contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation
+from ._ledger.memory import Ledger
+from ._ledger.tenants import DEFAULT_TENANT, TenantPolicy, TenantStatistics
+from ._ledger.url import ledger_from_url
+from ._observe.health import health_report, health_router
+from ._observe.metrics import GPUMetrics
+from ._observe.tracing import Phase, gpu_phase
+from ._observe.tracing_setup import configure_tracing
 
 __all__ = [
     "DEFAULT_TENANT",

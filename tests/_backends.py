@@ -100,7 +100,7 @@ async def open_ledgers(
             clock,
         )
         return
-    from gpu_asgi.redis_ledger import RedisLedger
+    from gpu_asgi._ledger.redis.ledger import RedisLedger
 
     assert server is not None
     made: list[RedisLedger] = []

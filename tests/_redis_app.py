@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from gpu_asgi import GPUAdmissionMiddleware, LinearEstimator, gpu_bound, gpu_reservation
-from gpu_asgi.redis_ledger import RedisLedger
+from gpu_asgi._ledger.redis.ledger import RedisLedger
 
 URL = os.environ["GPU_ASGI_TEST_REDIS_URL"]
 NAMESPACE = os.environ["GPU_ASGI_TEST_NAMESPACE"]

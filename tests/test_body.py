@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from gpu_asgi import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, RouteSpec
-from gpu_asgi._body import check_headers, parse_request, read_body
-from gpu_asgi._deadlines import Deadlines
+from gpu_asgi._admission.body import check_headers, parse_request, read_body
+from gpu_asgi._admission.body_timer import Deadlines
 
 from ._asgi import http_scope
 

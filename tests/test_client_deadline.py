@@ -28,7 +28,7 @@ from gpu_asgi import (
     TenantPolicy,
     gpu_bound,
 )
-from gpu_asgi._drain import RATE_WINDOW
+from gpu_asgi._ledger.drain import RATE_WINDOW
 
 from . import _redis
 from ._asgi import client, wait_until
@@ -201,7 +201,7 @@ def test_max_client_wait_must_be_positive_and_finite() -> None:
 
 @pytest.fixture
 async def redis_ledger(redis_server: RedisServer, namespace: str) -> AsyncIterator[Callable[..., BudgetLedger]]:
-    from gpu_asgi.redis_ledger import RedisLedger
+    from gpu_asgi._ledger.redis.ledger import RedisLedger
 
     made: list[RedisLedger] = []
 
@@ -410,7 +410,7 @@ async def test_bytes_freed_between_the_decision_and_joining_are_granted(
 ) -> None:
     """Not refused, the request asks again to join; the budget freed meanwhile: it is granted
     then, and no ticket is left behind."""
-    from gpu_asgi._redis_scripts import Beat
+    from gpu_asgi._ledger.redis.scripts import Beat
 
     ledger = redis_ledger(**STALE)
     (await ledger.reserve(10_000)).release()

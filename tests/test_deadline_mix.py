@@ -4,7 +4,7 @@ table adds up to the two runs it compares."""
 
 from __future__ import annotations
 
-from gpu_asgi._drain import MIN_RETRY_AFTER
+from gpu_asgi._ledger.drain import MIN_RETRY_AFTER
 from tests.benchmarks.bench_deadline_mix import mix, run_pairs
 
 

@@ -149,7 +149,7 @@ def test_core_messages_count_covers_the_rendered_chat_template(tokenizer, defaul
     below the real token count of the ChatML prompt, default system prompt and generation prompt
     included, for Qwen2's and Qwen2.5's default system prompts."""
     from gpu_asgi import HeuristicTokenCounter, RouteSpec
-    from gpu_asgi._body import parse_request
+    from gpu_asgi._admission.body import parse_request
 
     messages = CHATS[chat]
     template = local_model.CHATML_TEMPLATE.replace("You are a helpful assistant.", default_system)

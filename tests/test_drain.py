@@ -1,5 +1,5 @@
 """The drain rate is a function of the history only: of releases and busy time, never of when or
-how often a ledger advanced it (``gpu_asgi._drain``; its Lua twin in ``_redis_lua``)."""
+how often a ledger advanced it (``gpu_asgi._ledger.drain``; its Lua twin in ``_redis_lua``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_asgi import DeadlineUnmeetable
-from gpu_asgi._drain import MIN_BUSY_SPAN, RATE_WINDOW, DrainRate, drain_rate
+from gpu_asgi._ledger.drain import MIN_BUSY_SPAN, RATE_WINDOW, DrainRate, drain_rate
 
 from . import _redis
 from ._backends import BACKENDS, Backend, Clock, open_backend
@@ -144,7 +144,7 @@ async def same_rates_with_and_without_polls(
 ) -> None:
     from redis.asyncio import Redis
 
-    from gpu_asgi._redis_scripts import LedgerScripts
+    from gpu_asgi._ledger.redis.scripts import LedgerScripts
 
     now = [1000.0]
     client = Redis.from_url(server.url)

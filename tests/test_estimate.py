@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpu_asgi._analytic import AnalyticEstimator
-from gpu_asgi._estimate import (
+from gpu_asgi._estimate.analytic import AnalyticEstimator
+from gpu_asgi._estimate.linear import (
     Estimator,
     LinearEstimator,
     budget_bytes,
@@ -150,7 +150,7 @@ def test_module_imports_without_torch_or_transformers() -> None:
     root = Path(__file__).resolve().parents[1]
     code = (
         "import sys; sys.modules['torch'] = sys.modules['transformers'] = None\n"
-        "from gpu_asgi._analytic import AnalyticEstimator\nfrom gpu_asgi._estimate import LinearEstimator\n"
+        "from gpu_asgi._estimate.analytic import AnalyticEstimator\nfrom gpu_asgi._estimate.linear import LinearEstimator\n"
         "cfg = {'num_hidden_layers': 2, 'hidden_size': 8, 'num_attention_heads': 2,"
         " 'intermediate_size': 16, 'vocab_size': 10, 'torch_dtype': 'bfloat16'}\n"
         "assert AnalyticEstimator.from_config(cfg).kv_cache_bytes(1) == 2 * 2 * 2 * 4 * 2\n"

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from gpu_asgi import BudgetLedger, Ledger, OverTenantQuota, QueueFull, QueueTimeout, Reservation, TenantPolicy
-from gpu_asgi._drain import RATE_WINDOW, DrainRate
-from gpu_asgi._fair_share import NO_LEAD, Lead, Standing, arrival_vt, lift, measure
-from gpu_asgi._prediction import predicted_wait
+from gpu_asgi._ledger.drain import RATE_WINDOW, DrainRate
+from gpu_asgi._ledger.fair_share import NO_LEAD, Lead, Standing, arrival_vt, lift, measure
+from gpu_asgi._ledger.forecast import predicted_wait
 
 from . import _redis
 from ._asgi import settle
@@ -603,7 +603,7 @@ async def test_a_ticket_queued_by_an_older_version_counts_as_the_default_tenant(
 ) -> None:
     """Tickets written before tenants existed name none: dispatch admits them (as the default
     tenant) instead of failing every script with a Lua error."""
-    from gpu_asgi.redis_ledger import RedisLedger
+    from gpu_asgi._ledger.redis.ledger import RedisLedger
 
     async with RedisLedger(redis_server.url, 100, namespace=namespace) as ledger:
         holder = await ledger.reserve(100)

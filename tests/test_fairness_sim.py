@@ -237,7 +237,7 @@ async def test_the_redis_spy_records_the_prediction_the_deadline_decision_makes(
     """The benchmark reads the Redis ledger's predicted waits through a spy on its deadline
     decision; the spy must compute them as the decision does (a tenant quota changed its
     arguments once, and every Redis deadline run then failed)."""
-    from gpu_asgi.redis_ledger import RedisLedger
+    from gpu_asgi._ledger.redis.ledger import RedisLedger
 
     async with RedisLedger(redis_server.url, 100, namespace=namespace, tenants={"a": TenantPolicy(quota_bytes=60)}) as ledger:
         predictions = predicted_waits(ledger)

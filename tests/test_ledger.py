@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from gpu_asgi import Ledger, NeverFits, QueueFull, QueueTimeout, Reservation
-from gpu_asgi._drain import RATE_WINDOW, DrainRate
+from gpu_asgi._ledger.drain import RATE_WINDOW, DrainRate
 
 from ._asgi import settle
 

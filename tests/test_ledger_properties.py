@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpu_asgi import Ledger, NeverFits, QueueFull, Reservation, TenantPolicy
-from gpu_asgi._redis_scripts import Beat, Full
+from gpu_asgi._ledger.redis.scripts import Beat, Full
 
 from . import _redis
 from ._redis import REDIS_SERVER, RedisServer
@@ -135,7 +135,7 @@ class InRedis:
     ) -> None:
         from redis.asyncio import Redis
 
-        from gpu_asgi._redis_scripts import LedgerScripts
+        from gpu_asgi._ledger.redis.scripts import LedgerScripts
 
         self.loop = loop
         self.server = server

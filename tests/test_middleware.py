@@ -28,11 +28,11 @@ from gpu_asgi import (
     Reservation,
     RouteSpec,
     TokenCounter,
-    _body,
     gpu_admission,
     gpu_bound,
     gpu_reservation,
 )
+from gpu_asgi._admission import body as _body
 
 from ._asgi import RawClient, client, http_scope, local_hf_tokenizer, settle, wait_until
 

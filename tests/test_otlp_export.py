@@ -32,7 +32,7 @@ from gpu_asgi import (
     gpu_bound,
     gpu_phase,
 )
-from gpu_asgi import _telemetry as otel
+from gpu_asgi._observe import tracing as otel
 
 
 class Receiver:
@@ -220,7 +220,7 @@ async def test_configure_tracing_over_grpc(
 def test_configure_tracing_exporter_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-    from gpu_asgi._otel_config import _exporters_from_environment
+    from gpu_asgi._observe.tracing_setup import _exporters_from_environment
 
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     assert _exporters_from_environment() == []

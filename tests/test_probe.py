@@ -25,8 +25,8 @@ from gpu_asgi import (
     ThermalPolicy,
     auto_probe,
 )
-from gpu_asgi._probe import _visible_devices
-from gpu_asgi._sampler import DeviceSnapshot
+from gpu_asgi._device.probe import _visible_devices
+from gpu_asgi._device.sampler import DeviceSnapshot
 
 GIB = 1 << 30
 

@@ -16,7 +16,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from gpu_asgi import GPUAdmissionMiddleware, LedgerUnavailable, LinearEstimator, QueueTimeout, TenantPolicy, gpu_bound
-from gpu_asgi.redis_ledger import RedisLedger
+from gpu_asgi._ledger.redis.ledger import RedisLedger
 
 from . import _redis
 from ._backends import Clock, start

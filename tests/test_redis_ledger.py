@@ -35,10 +35,10 @@ from gpu_asgi import (
     gpu_bound,
     gpu_reservation,
     ledger_from_url,
-    redis_ledger,
 )
-from gpu_asgi._drain import RATE_WINDOW
-from gpu_asgi.redis_ledger import RedisLedger
+from gpu_asgi._ledger.drain import RATE_WINDOW
+from gpu_asgi._ledger.redis import ledger as redis_ledger
+from gpu_asgi._ledger.redis.ledger import RedisLedger
 
 from . import _redis
 from ._backends import Backend, Clock, open_ledgers, start
@@ -526,7 +526,7 @@ async def test_a_refusals_retry_after_is_the_in_process_ledgers_on_the_same_stat
     both ways: 600 s or a fifth of the right answer); now from Redis's state when the script
     refused the request, or just after the timed-out waiter left the queue (as in-process: its own
     20 bytes no longer count, else 1.2 times the answer)."""
-    monkeypatch.setattr("gpu_asgi.redis_ledger.TIMEOUT_STATE_WAIT", 10.0)  # however loaded the machine
+    monkeypatch.setattr("gpu_asgi._ledger.redis.ledger.TIMEOUT_STATE_WAIT", 10.0)  # however loaded the machine
     memory, _ = await refused("memory", redis_server, namespace, snapshot, refusal)
     shared, hint = await refused("redis", redis_server, namespace, snapshot, refusal)
     assert hint == pytest.approx(snapshot_says)  # what the old answer was

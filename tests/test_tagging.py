@@ -16,7 +16,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Host, Mount, Route, Router
 
 from gpu_asgi import RouteSpec, gpu_bound
-from gpu_asgi._tagging import bodyless_tagged_routes, route_spec_of
+from gpu_asgi._asgi.routes import bodyless_tagged_routes, route_spec_of
 
 
 def test_decorator_returns_the_same_function_with_its_spec() -> None:

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gpu_asgi import DeviceExecutor, GPUAdmissionMiddleware, Ledger, LinearEstimator, gpu_bound, gpu_phase
-from gpu_asgi import _telemetry as otel
+from gpu_asgi._observe import tracing as otel
 
 from ._asgi import RawClient, Words, client, http_scope, wait_until
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpu_asgi import DEFAULT_TENANT, Ledger, TenantPolicy
-from gpu_asgi.redis_ledger import RedisLedger
+from gpu_asgi._ledger.redis.ledger import RedisLedger
 
 
 @pytest.mark.parametrize("weight", [0, -1.0, math.inf, math.nan])

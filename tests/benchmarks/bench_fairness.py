@@ -94,7 +94,7 @@ from .bench_overload import (
 )
 
 if TYPE_CHECKING:
-    from gpu_asgi.redis_ledger import RedisLedger
+    from gpu_asgi._ledger.redis.ledger import RedisLedger
 
 HEAVY = "heavy"
 LIGHTS = ("light-1", "light-2", "light-3", "light-4")
@@ -485,7 +485,7 @@ def redis_ledger(
     so every waiter then asks Redis ``1 / scale`` times as often: the fair-share runs, with over a
     thousand waiters, keep the default (fair share is decided in Redis, not from the snapshot).
     """
-    from gpu_asgi.redis_ledger import DEFAULT_LEASE_TTL, RedisLedger  # the redis extra
+    from gpu_asgi._ledger.redis.ledger import DEFAULT_LEASE_TTL, RedisLedger  # the redis extra
 
     heartbeat = DEFAULT_LEASE_TTL / 3 * (scale if scaled_heartbeat else 1)
     return RedisLedger(url, budget, namespace=f"fair-{uuid.uuid4().hex[:8]}", max_queue=max_queue.total,

@@ -35,7 +35,7 @@ from multiprocessing import get_context
 from typing import Any
 
 from gpu_asgi import Ledger, QueueFull
-from gpu_asgi.redis_ledger import RedisLedger
+from gpu_asgi._ledger.redis.ledger import RedisLedger
 
 from ._report import table, write_report
 

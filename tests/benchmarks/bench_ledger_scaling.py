@@ -27,7 +27,7 @@ from typing import Any
 import redis
 
 from gpu_asgi import GPUAdmissionError, Ledger
-from gpu_asgi.redis_ledger import RedisLedger
+from gpu_asgi._ledger.redis.ledger import RedisLedger
 
 from ._report import table, write_report
 

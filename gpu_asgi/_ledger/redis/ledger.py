@@ -33,11 +33,8 @@ from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ._client_deadline import unmeetable
-from ._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL, check_quota
-from ._ledger import Ledger
-from ._ledger_contract import (
+from ..._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
+from ..contract import (
     DEFAULT_DEVICE,
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
@@ -47,9 +44,12 @@ from ._ledger_contract import (
     Reservation,
     check_priority,
 )
-from ._redis_scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
-from ._redis_upkeep import RETRIES, Upkeep, cancels
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
+from ..deadline import unmeetable
+from ..fair_share import DEFAULT_TENANT_IDLE_TTL, check_quota
+from ..memory import Ledger
+from ..tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
+from .scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
+from .upkeep import RETRIES, Upkeep, cancels
 
 __all__ = ["RedisLedger"]
 

@@ -17,9 +17,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from ._drain import DrainRate
-from ._errors import OverTenantQuota
-from ._tenancy import TenantPolicy, TenantStatistics
+from .._errors import OverTenantQuota
+from .drain import DrainRate
+from .tenants import TenantPolicy, TenantStatistics
 
 #: Seconds a tenant with nothing held and nothing waiting is remembered (its virtual time with it).
 DEFAULT_TENANT_IDLE_TTL = 300.0

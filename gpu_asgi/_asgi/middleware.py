@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import TracerProvider
 
-from . import _admission
-from . import _telemetry as otel
-from ._admission import ASYNCIO_ONLY, route_name
-from ._deadlines import Deadlines
-from ._device_policy import DeviceGuard, ThermalPolicy
-from ._errors import (
+from .._admission import gate as _admission
+from .._admission.body_timer import Deadlines
+from .._admission.gate import ASYNCIO_ONLY, route_name
+from .._admission.tenant_keys import TenantKey, named_tenants, tenant_keys
+from .._device.policy import DeviceGuard, ThermalPolicy
+from .._device.sampler import DeviceSampler
+from .._errors import (
     ClientClosedRequest,
     DeadlineUnmeetable,
     DeviceMemoryLow,
@@ -32,18 +33,17 @@ from ._errors import (
     QueueFull,
     QueueTimeout,
 )
-from ._estimate import Estimator, check_estimator
-from ._ledger_contract import BudgetLedger
-from ._problems import send_problem
-from ._responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
-from ._sampler import DeviceSampler
-from ._tagging import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes, declared_routes
-from ._tenants import TenantKey, named_tenants, tenant_keys
-from ._tokens import HeuristicTokenCounter, TokenCounter
-from ._types import ASGIApp, Receive, Scope, Send
+from .._estimate.linear import Estimator, check_estimator
+from .._estimate.tokens import HeuristicTokenCounter, TokenCounter
+from .._ledger.contract import BudgetLedger
+from .._observe import tracing as otel
+from .._types import ASGIApp, Receive, Scope, Send
+from .problems import send_problem
+from .responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
+from .routes import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes, declared_routes
 
 if TYPE_CHECKING:
-    from ._metrics import GPUMetrics
+    from .._observe.metrics import GPUMetrics
 
 _OVERLOAD = (QueueFull, QueueTimeout, DeviceMemoryLow, DeadlineUnmeetable)
 DEFAULT_MAX_BODY_BYTES = 1 << 20

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from ._drain import retry_after
-from ._fair_share import Standing, lanes_ahead
+from .drain import retry_after
+from .fair_share import Standing, lanes_ahead
 
 
 def bytes_ahead(lanes: Iterable[tuple[int, int, int, int]], nbytes: int, priority: int, max_bypass: int) -> float:

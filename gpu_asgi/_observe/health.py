@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
-from ._device_policy import DeviceGuard, ThermalPolicy
-from ._ledger_contract import BudgetLedger
-from ._metrics import GPUMetrics
-from ._probe import DeviceReading
-from ._sampler import DeviceSampler
+from .._device.policy import DeviceGuard, ThermalPolicy
+from .._device.probe import DeviceReading
+from .._device.sampler import DeviceSampler
+from .._ledger.contract import BudgetLedger
+from .metrics import GPUMetrics
 
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
 

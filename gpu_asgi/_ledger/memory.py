@@ -21,11 +21,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from ._client_deadline import unmeetable
-from ._drain import DrainRate
-from ._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare
-from ._ledger_contract import (
+from .._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
+from .contract import (
     DEFAULT_DEVICE,
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
@@ -36,8 +33,11 @@ from ._ledger_contract import (
     Reservation,
     check_priority,
 )
-from ._prediction import predicted_wait, size_class
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
+from .deadline import unmeetable
+from .drain import DrainRate
+from .fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare
+from .forecast import predicted_wait, size_class
+from .tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
 
 
 class _Device:

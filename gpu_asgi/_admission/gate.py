@@ -11,23 +11,23 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import _telemetry as otel
-from ._body import MAX_BODY_SIZE_SCOPE_KEY, check_headers, client_wait, parse_request, read_body
-from ._device_policy import CLAMPED_HEADER
-from ._errors import GPUAdmissionError
-from ._estimate import Estimator
-from ._ledger_contract import Reservation
-from ._queue_wait import reserve
-from ._responder import ADMITTING_SCOPE_KEY
-from ._tagging import RouteSpec
-from ._tenancy import DEFAULT_TENANT
-from ._tenants import find_tenant, tenant_label
-from ._tokens import count_tokens_in_thread
-from ._types import Message, Receive, Scope, Send
+from .._asgi.responder import ADMITTING_SCOPE_KEY
+from .._asgi.routes import RouteSpec
+from .._device.policy import CLAMPED_HEADER
+from .._errors import GPUAdmissionError
+from .._estimate.linear import Estimator
+from .._estimate.tokens import count_tokens_in_thread
+from .._ledger.contract import Reservation
+from .._ledger.tenants import DEFAULT_TENANT
+from .._observe import tracing as otel
+from .._types import Message, Receive, Scope, Send
+from .body import MAX_BODY_SIZE_SCOPE_KEY, check_headers, client_wait, parse_request, read_body
+from .queue_wait import reserve
+from .tenant_keys import find_tenant, tenant_label
 
 if TYPE_CHECKING:
-    from ._metrics import GPUMetrics
-    from ._middleware import GPUAdmissionMiddleware
+    from .._asgi.middleware import GPUAdmissionMiddleware
+    from .._observe.metrics import GPUMetrics
 
 #: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
 ADMISSION_STATE_KEY = "gpu_admission"

@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ._ledger_contract import Reservation
-from ._redis_scripts import Beat, LedgerScripts, RedisDown, RedisSlow, text
+from ..contract import Reservation
+from .scripts import Beat, LedgerScripts, RedisDown, RedisSlow, text
 
 #: Tries for a release or a queue exit that cannot reach Redis; the lease TTL is the backstop.
 RETRIES = 3

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Self
 
-from ._probe import DeviceReading, NoDeviceProbe, Probe
+from .probe import DeviceReading, NoDeviceProbe, Probe
 
 DEFAULT_SAMPLE_INTERVAL = 1.0
 

@@ -16,9 +16,9 @@ from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import InvalidTenant
-from ._tenancy import DEFAULT_TENANT
-from ._types import Scope
+from .._errors import InvalidTenant
+from .._ledger.tenants import DEFAULT_TENANT
+from .._types import Scope
 
 #: Longest tenant key accepted; longer ones are refused (a tenant names an account, not a payload).
 MAX_TENANT_LENGTH = 128

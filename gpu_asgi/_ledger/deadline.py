@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ._drain import MIN_RETRY_AFTER
-from ._errors import DeadlineUnmeetable
+from .._errors import DeadlineUnmeetable
+from .drain import MIN_RETRY_AFTER
 
 
 def unmeetable(wait_limit: float, release_rate: float, predict: Callable[[], float]) -> DeadlineUnmeetable | None:

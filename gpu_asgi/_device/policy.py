@@ -9,8 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from ._errors import AdmissionRejected, DeviceMemoryLow, DeviceProbeFailed
-from ._sampler import DeviceSnapshot
+from .._errors import AdmissionRejected, DeviceMemoryLow, DeviceProbeFailed
+from .sampler import DeviceSnapshot
 
 DEFAULT_DEGRADED_ABOVE_CELSIUS = 75.0
 DEFAULT_GUARD_MARGIN_BYTES = 512 << 20

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ._estimate import Estimator
+from .linear import Estimator
 
 logger = logging.getLogger("gpu_asgi.calibration")
 
@@ -79,7 +79,7 @@ class PeakCalibration:
         self._lock = threading.Lock()
         self._gauge: Any = None
         if registry is not None:
-            from ._metrics import _prometheus
+            from .._observe.metrics import _prometheus
 
             self._gauge = _prometheus().Gauge(
                 "estimate_correction", "Factor applied to the route's estimate, learnt from measured peaks.",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ._ledger import Ledger
-from ._ledger_contract import DEFAULT_MAX_BYPASS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT, BudgetLedger
+from .contract import DEFAULT_MAX_BYPASS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT, BudgetLedger
+from .memory import Ledger
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 
@@ -33,6 +33,6 @@ def ledger_from_url(
         return Ledger(capacity, **common)
     if scheme not in REDIS_SCHEMES:
         raise ValueError(f"unknown ledger URL scheme {scheme!r}: use memory://, redis://, rediss:// or unix://")
-    from .redis_ledger import RedisLedger  # redis is an optional extra: imported only when asked for
+    from .redis.ledger import RedisLedger  # redis is an optional extra: imported only when asked for
 
     return RedisLedger(url or "", capacity, **common, **redis_options)

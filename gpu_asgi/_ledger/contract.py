@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ._tenancy import DEFAULT_TENANT, TenantPolicy, TenantStatistics
+from .tenants import DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
 DEFAULT_DEVICE = "cuda:0"
 DEFAULT_MAX_QUEUE = 256

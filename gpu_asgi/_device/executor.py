@@ -19,7 +19,7 @@ from typing import Any, Self, TypeVar
 
 from opentelemetry.trace import TracerProvider
 
-from ._telemetry import ThreadBinding, bind_thread, get_tracer
+from .._observe.tracing import ThreadBinding, bind_thread, get_tracer
 
 T = TypeVar("T")
 

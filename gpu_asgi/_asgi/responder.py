@@ -13,13 +13,13 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from ._ledger_contract import Reservation
-from ._tagging import RouteSpec, route_spec_of
-from ._types import Message, Receive, Scope, Send
+from .._ledger.contract import Reservation
+from .._types import Message, Receive, Scope, Send
+from .routes import RouteSpec, route_spec_of
 
 if TYPE_CHECKING:
-    from ._admission import Granted
-    from ._middleware import GPUAdmissionMiddleware
+    from .._admission.gate import Granted
+    from .middleware import GPUAdmissionMiddleware
 
 #: Scope key set when a GPUAdmissionMiddleware takes a tagged request on: as it starts admitting
 #: (before it reads the body) or answers it itself. Another (nested) middleware's responder sees it

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._deadlines import Deadlines
-from ._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidHeader, InvalidJSON, UnsupportedMediaType
-from ._tagging import RouteSpec
-from ._types import Receive, Scope
+from .._asgi.routes import RouteSpec
+from .._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidHeader, InvalidJSON, UnsupportedMediaType
+from .._types import Receive, Scope
+from .body_timer import Deadlines
 
 # Where a route's own body limit is found. Starlette's RequestBodyLimitMiddleware
 # (``Route(..., max_body_size=n)``, FastAPI's ``@app.post(..., max_body_size=n)``,

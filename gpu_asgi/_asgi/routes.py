@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 
 from starlette.endpoints import HTTPEndpoint
 
-from ._estimate import Estimator, check_estimator
-from ._ledger_contract import check_priority
-from ._tenants import TenantKey, tenant_keys
+from .._admission.tenant_keys import TenantKey, tenant_keys
+from .._estimate.linear import Estimator, check_estimator
+from .._ledger.contract import check_priority
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
 DEFAULT_PROMPT_FIELDS = ("prompt", "messages")

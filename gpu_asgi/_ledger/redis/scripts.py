@@ -12,12 +12,12 @@ from redis.asyncio import Redis
 from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import _redis_lua as lua
-from ._drain import MIN_BUSY_SPAN, RATE_WINDOW, drain_rate
-from ._fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing
-from ._ledger_contract import DeviceStatistics, LedgerStatistics
-from ._prediction import predicted_wait
-from ._tenancy import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
+from ..contract import DeviceStatistics, LedgerStatistics
+from ..drain import MIN_BUSY_SPAN, RATE_WINDOW, drain_rate
+from ..fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing
+from ..forecast import predicted_wait
+from ..tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
+from . import lua
 
 _KEYS = (
     "expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot", "lanes", "tenants",

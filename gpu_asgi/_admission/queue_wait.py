@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Span
 
-from . import _telemetry as otel
-from ._errors import GPUAdmissionError, QueueTimeout
-from ._ledger_contract import BudgetLedger, Reservation
-from ._tagging import RouteSpec
-from ._tenancy import DEFAULT_TENANT
-from ._types import Message, Receive
+from .._asgi.routes import RouteSpec
+from .._errors import GPUAdmissionError, QueueTimeout
+from .._ledger.contract import BudgetLedger, Reservation
+from .._ledger.tenants import DEFAULT_TENANT
+from .._observe import tracing as otel
+from .._types import Message, Receive
 
 if TYPE_CHECKING:
-    from ._middleware import GPUAdmissionMiddleware
+    from .._asgi.middleware import GPUAdmissionMiddleware
 
 
 async def reserve(

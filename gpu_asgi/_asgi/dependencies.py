@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from starlette.requests import HTTPConnection
 
-from ._admission import ADMISSION_STATE_KEY, Admission
-from ._ledger_contract import Reservation
+from .._admission.gate import ADMISSION_STATE_KEY, Admission
+from .._ledger.contract import Reservation
 
 
 def gpu_admission(request: HTTPConnection) -> Admission:

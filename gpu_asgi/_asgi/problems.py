@@ -6,8 +6,8 @@ import json
 import math
 from typing import Any
 
-from ._errors import GPUAdmissionError
-from ._types import Send
+from .._errors import GPUAdmissionError
+from .._types import Send
 
 #: Response header naming why gpu_asgi answered instead of the endpoint.
 REASON_HEADER = b"x-gpu-admission-reason"

@@ -1,0 +1,1 @@
+"""Admission: a tagged request's body read, checked and turned into a reservation."""

@@ -1,0 +1,1 @@
+"""The ASGI layer: the middleware, the only code that sends, and how a request's route is found."""

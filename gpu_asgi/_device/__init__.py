@@ -1,0 +1,1 @@
+"""The device: probes, the background sampler, policies on its readings, and the executor."""

@@ -1,0 +1,1 @@
+"""Estimation: prompt tokens and the bytes of VRAM one request needs."""

@@ -1,0 +1,1 @@
+"""The budget ledgers: the contract, the in-process ledger, fair share, forecasts, and Redis."""

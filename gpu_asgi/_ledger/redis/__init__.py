@@ -1,0 +1,1 @@
+"""The Redis ledger: one budget shared by every process and host."""

@@ -1,0 +1,1 @@
+"""Observability: OpenTelemetry spans, Prometheus metrics and health."""
