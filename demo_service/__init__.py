@@ -15,22 +15,22 @@ from ._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from ._app import create_app
-    from ._batching import Batcher
-    from ._buckets import BucketedEstimator, bucket
-    from ._generation import Sampling
-    from ._model import LoadedModel, ensure_local_model, load_model
+    from ._batching.batcher import Batcher
+    from ._batching.buckets import BucketedEstimator, bucket
+    from ._batching.device_run import Sampling
+    from ._model.load import LoadedModel, ensure_local_model, load_model
     from ._settings import DemoSettings
 
 _WHERE = {
-    "Batcher": "._batching",
-    "BucketedEstimator": "._buckets",
+    "Batcher": "._batching.batcher",
+    "BucketedEstimator": "._batching.buckets",
     "DemoSettings": "._settings",
-    "LoadedModel": "._model",
-    "Sampling": "._generation",
-    "bucket": "._buckets",
+    "LoadedModel": "._model.load",
+    "Sampling": "._batching.device_run",
+    "bucket": "._batching.buckets",
     "create_app": "._app",
-    "ensure_local_model": "._model",
-    "load_model": "._model",
+    "ensure_local_model": "._model.load",
+    "load_model": "._model.load",
 }
 __all__ = [
     "Batcher",

@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         import uvicorn
 
         from ._app import create_app
-        from ._local_model import ModelDirInUse
+        from ._model.local import ModelDirInUse
     try:
         app = create_app(settings)
     except ModelDirInUse as error:

@@ -28,13 +28,13 @@ from gpu_asgi import (
     ledger_from_url,
 )
 
-from ._batching import Batcher
-from ._buckets import BucketedEstimator
-from ._generate import generate_router
+from ._api.generate import generate_router
+from ._api.openai import openai_router
+from ._api.problems import install_problem_handlers
+from ._batching.batcher import Batcher
+from ._batching.buckets import BucketedEstimator
 from ._metrics import DemoMetrics
-from ._model import LoadedModel, load_model
-from ._openai import openai_router
-from ._problems import install_problem_handlers
+from ._model.load import LoadedModel, load_model
 from ._service import DemoService
 from ._settings import DEFAULT_CPU_BUDGET_BYTES, DemoSettings
 

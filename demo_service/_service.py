@@ -20,11 +20,11 @@ from starlette.types import Receive, Scope, Send
 
 from gpu_asgi import Admission, Ledger
 
-from ._batching import Batcher
-from ._generation import Sampling
-from ._jobs import Generation, SequenceState
-from ._model import LoadedModel
-from ._prompts import encoder
+from ._batching.batcher import Batcher
+from ._batching.device_run import Sampling
+from ._batching.jobs import Generation, SequenceState
+from ._model.load import LoadedModel
+from ._model.prompts import encoder
 from ._settings import DemoSettings
 
 

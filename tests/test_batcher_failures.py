@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from demo_service import Batcher, BucketedEstimator, LoadedModel
-from demo_service._batching import BORROW_PRIORITY, BatchFormingFailed
+from demo_service._batching.batcher import BORROW_PRIORITY, BatchFormingFailed
 from gpu_asgi import MAX_PRIORITY, AnalyticEstimator, Ledger, Reservation
 
 from ._demo import loaded_model, model_dir

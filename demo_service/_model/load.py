@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ._local_model import DEFAULT_MODEL_DIR, ensure_local_model, hf_progress, qwen_tiktoken_path
-from ._startup import step
+from .._startup import step
+from .local import DEFAULT_MODEL_DIR, ensure_local_model, hf_progress, qwen_tiktoken_path
 
 __all__ = ["DEFAULT_MODEL_DIR", "LoadedModel", "ensure_local_model", "load_model", "qwen_tiktoken_path"]
 

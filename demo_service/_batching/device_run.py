@@ -20,7 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from gpu_asgi import gpu_phase
 
-from ._model import LoadedModel
+from .._model.load import LoadedModel
 
 #: Temperatures below this are greedy: dividing the logits by a tinier one overflows them to inf,
 #: and sampling from the resulting NaN probabilities fails (a schema-driven test found 6e-55).

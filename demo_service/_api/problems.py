@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ._service import ClientGone
+from .._service import ClientGone
 
 PROBLEM_TYPE_PREFIX = "urn:demo-service:problem:"
 MEDIA_TYPE = "application/problem+json"

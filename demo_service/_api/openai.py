@@ -16,11 +16,12 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 
 from gpu_asgi import Admission, gpu_admission, gpu_bound
 
-from ._generation import Sampling
-from ._jobs import Generation
-from ._prompts import chat_prompt, encode_all, render_chat
-from ._responses import error_responses
-from ._schemas import (
+from .._batching.device_run import Sampling
+from .._batching.jobs import Generation
+from .._model.prompts import chat_prompt, encode_all, render_chat
+from .._service import SSE_DONE, DemoService, EventStream, complete, hold_until_device_done, new_id, sse
+from .responses import error_responses
+from .schemas import (
     MAX_SEQUENCES,
     ChatChoice,
     ChatChunkChoice,
@@ -37,7 +38,6 @@ from ._schemas import (
     request_models,
     usage,
 )
-from ._service import SSE_DONE, DemoService, EventStream, complete, hold_until_device_done, new_id, sse
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

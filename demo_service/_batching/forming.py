@@ -11,8 +11,8 @@ the next batch itself, so none waits for ever behind requests that batch better.
 
 from __future__ import annotations
 
-from ._buckets import BucketedEstimator, bucket
-from ._jobs import Generation
+from .buckets import BucketedEstimator, bucket
+from .jobs import Generation
 
 #: A request passed over this many times anchors the next batch, whatever batches better.
 MAX_PASSES = 4

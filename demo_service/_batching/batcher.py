@@ -28,12 +28,12 @@ from opentelemetry.trace import TracerProvider
 
 from gpu_asgi import MAX_PRIORITY, AdmissionRejected, BudgetLedger, DeviceExecutor, Reservation, gpu_phase
 
-from ._buckets import BucketedEstimator
-from ._forming import choose_batch
-from ._generation import BatchPlan, Sampling, run_batch
-from ._jobs import Generation, SequenceState
-from ._metrics import DemoMetrics
-from ._model import LoadedModel
+from .._metrics import DemoMetrics
+from .._model.load import LoadedModel
+from .buckets import BucketedEstimator
+from .device_run import BatchPlan, Sampling, run_batch
+from .forming import choose_batch
+from .jobs import Generation, SequenceState
 
 BATCH_SPAN = "demo_service.batch"
 #: Padding loans come before any route's requests; they are granted at once or not at all.

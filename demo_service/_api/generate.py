@@ -8,11 +8,11 @@ from fastapi import APIRouter, Depends, Request
 
 from gpu_asgi import Admission, gpu_admission, gpu_bound
 
-from ._generation import Sampling
-from ._prompts import encode_all
-from ._responses import error_responses
-from ._schemas import AdmissionInfo, GenerateResponse, request_models, usage
-from ._service import DemoService, complete, new_id
+from .._batching.device_run import Sampling
+from .._model.prompts import encode_all
+from .._service import DemoService, complete, new_id
+from .responses import error_responses
+from .schemas import AdmissionInfo, GenerateResponse, request_models, usage
 
 
 def generate_router(service: DemoService) -> APIRouter:

@@ -15,8 +15,8 @@ from typing import Any
 
 from opentelemetry.trace import SpanContext
 
-from ._decode import SequenceText
-from ._generation import BatchPlan, Sampling
+from .decode import SequenceText
+from .device_run import BatchPlan, Sampling
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 

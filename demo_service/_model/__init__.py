@@ -1,0 +1,1 @@
+"""The model: the local default, loading it, and prompts to token ids."""
