@@ -1,8 +1,16 @@
 """gpu_asgi: admit GPU-bound ASGI requests against a VRAM byte budget.
 
-Everything public is importable from here; the modules behind it are private.
+Everything public is importable from here; the modules behind it are private. ``RedisLedger``
+is imported on first use, so ``import gpu_asgi`` does not import ``redis``.
 """
 
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from . import _errors
 from ._admission.gate import Admission
 from ._admission.tenant_keys import TenantKey, api_key_tenant
 from ._asgi.dependencies import gpu_admission, gpu_reservation
@@ -12,37 +20,10 @@ from ._device.executor import DeviceExecutor
 from ._device.policy import DeviceGuard, ThermalPolicy
 from ._device.probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe
 from ._device.sampler import DeviceSampler, DeviceSnapshot
-from ._errors import (
-    AdmissionRejected,
-    BodyError,
-    BodyTimeout,
-    BodyTooLarge,
-    ClientClosedRequest,
-    DeadlineUnmeetable,
-    DeviceMemoryLow,
-    DeviceProbeFailed,
-    GPUAdmissionError,
-    InvalidField,
-    InvalidHeader,
-    InvalidJSON,
-    InvalidTenant,
-    LedgerUnavailable,
-    NeverFits,
-    OverTenantQuota,
-    QueueFull,
-    QueueTimeout,
-    UnsupportedMediaType,
-)
+from ._errors import AdmissionRejected, GPUAdmissionError, LedgerUnavailable, NeverFits, QueueFull, QueueTimeout
 from ._estimate.analytic import AnalyticEstimator
 from ._estimate.calibration import CalibratedEstimator, PeakCalibration
-from ._estimate.linear import (
-    Estimator,
-    LinearEstimator,
-    budget_bytes,
-    calibrate,
-    cuda_peak_measurer,
-    fit_linear,
-)
+from ._estimate.linear import Estimator, LinearEstimator, budget_bytes, calibrate, cuda_peak_measurer, fit_linear
 from ._estimate.tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 from ._ledger.contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation
 from ._ledger.memory import Ledger
@@ -53,72 +34,105 @@ from ._observe.metrics import GPUMetrics
 from ._observe.tracing import Phase, gpu_phase
 from ._observe.tracing_setup import configure_tracing
 
-__all__ = [
-    "DEFAULT_TENANT",
-    "MAX_PRIORITY",
-    "MIN_PRIORITY",
+if TYPE_CHECKING:
+    from ._ledger.redis.ledger import RedisLedger
+
+__all__ = [  # noqa: RUF022 - grouped by what a user does, not sorted
+    # the middleware and what an endpoint sees
     "Admission",
-    "AdmissionRejected",
-    "AnalyticEstimator",
-    "BodyError",
-    "BodyTimeout",
-    "BodyTooLarge",
-    "BudgetLedger",
-    "CalibratedEstimator",
-    "ClientClosedRequest",
-    "DeadlineUnmeetable",
-    "DeviceExecutor",
-    "DeviceGuard",
-    "DeviceMemoryLow",
-    "DeviceProbeFailed",
-    "DeviceReading",
-    "DeviceSampler",
-    "DeviceSnapshot",
-    "DeviceStatistics",
-    "Estimator",
-    "GPUAdmissionError",
     "GPUAdmissionMiddleware",
-    "GPUMetrics",
-    "HFTokenCounter",
-    "HeuristicTokenCounter",
-    "InvalidField",
-    "InvalidHeader",
-    "InvalidJSON",
-    "InvalidTenant",
-    "Ledger",
-    "LedgerStatistics",
-    "LedgerUnavailable",
-    "LinearEstimator",
-    "NVMLProbe",
-    "NeverFits",
-    "NoDeviceProbe",
-    "OverTenantQuota",
-    "PeakCalibration",
-    "Phase",
-    "Probe",
-    "QueueFull",
-    "QueueTimeout",
-    "Reservation",
     "RouteSpec",
-    "TenantKey",
-    "TenantPolicy",
-    "TenantStatistics",
-    "ThermalPolicy",
-    "TokenCounter",
-    "TorchProbe",
-    "UnsupportedMediaType",
-    "api_key_tenant",
-    "auto_probe",
-    "budget_bytes",
-    "calibrate",
-    "configure_tracing",
-    "cuda_peak_measurer",
-    "fit_linear",
     "gpu_admission",
     "gpu_bound",
-    "gpu_phase",
     "gpu_reservation",
+    # estimating a request's bytes
+    "AnalyticEstimator",
+    "CalibratedEstimator",
+    "Estimator",
+    "LinearEstimator",
+    "PeakCalibration",
+    "budget_bytes",
+    "calibrate",
+    "cuda_peak_measurer",
+    "fit_linear",
+    "HFTokenCounter",
+    "HeuristicTokenCounter",
+    "TokenCounter",
+    # the budget ledgers and tenants
+    "BudgetLedger",
+    "Ledger",
+    "LedgerStatistics",
+    "RedisLedger",
+    "Reservation",
+    "TenantKey",
+    "TenantPolicy",
+    "api_key_tenant",
+    "ledger_from_url",
+    # the device
+    "DeviceExecutor",
+    "DeviceGuard",
+    "DeviceSampler",
+    "Probe",
+    "ThermalPolicy",
+    "auto_probe",
+    # observability
+    "GPUMetrics",
+    "configure_tracing",
+    "gpu_phase",
     "health_report",
     "health_router",
-    "ledger_from_url",
+    # errors a caller of a ledger or of the middleware's API can receive
+    "AdmissionRejected",
+    "GPUAdmissionError",
+    "LedgerUnavailable",
+    "NeverFits",
+    "QueueFull",
+    "QueueTimeout",
 ]
+
+#: Public, importable from here, and documented, but not in ``__all__``: the types of values the
+#: API returns that a user rarely names, the concrete probes ``auto_probe`` picks, and constants.
+_ALSO_PUBLIC: tuple[type, ...] = (
+    DeviceReading, DeviceSnapshot, DeviceStatistics, NVMLProbe, NoDeviceProbe, Phase, TenantStatistics, TorchProbe,
+)
+_CONSTANTS = (DEFAULT_TENANT, MAX_PRIORITY, MIN_PRIORITY)
+
+#: Errors only the middleware ever sees (it answers them as problem+json; clients match on
+#: ``reason``). Importable from here for one more release, with a DeprecationWarning.
+_DEPRECATED_ERRORS = frozenset({
+    "BodyError", "BodyTimeout", "BodyTooLarge", "ClientClosedRequest", "DeadlineUnmeetable", "DeviceMemoryLow",
+    "DeviceProbeFailed", "InvalidField", "InvalidHeader", "InvalidJSON", "InvalidTenant", "OverTenantQuota",
+    "UnsupportedMediaType",
+})
+
+_LAZY = {"RedisLedger": "._ledger.redis.ledger"}  # the redis extra: imported on first use
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value.__module__ = __name__
+        globals()[name] = value
+        return value
+    if name in _DEPRECATED_ERRORS:
+        warnings.warn(
+            f"gpu_asgi.{name} is deprecated and leaves gpu_asgi in the next release: the middleware answers it "
+            "itself; catch GPUAdmissionError (or AdmissionRejected) and read .reason instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_errors, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+# Reprs, tracebacks and docs show the public name wherever a class or function lives (as httpx does).
+for _name in (*__all__, *(value.__name__ for value in _ALSO_PUBLIC)):
+    if _name not in _LAZY:
+        _value = globals()[_name]
+        if getattr(_value, "__module__", "").startswith(__name__ + "._"):
+            _value.__module__ = __name__
+del _name, _value

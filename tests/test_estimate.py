@@ -445,22 +445,25 @@ async def test_the_middleware_estimates_a_greedy_request_as_greedy() -> None:
     ]
 
 
-def test_an_estimator_without_the_sampling_keyword_is_refused_where_it_is_declared() -> None:
-    from gpu_asgi import GPUAdmissionMiddleware, Ledger, RouteSpec
+def test_an_estimator_of_the_first_documented_shape_is_wrapped_and_not_passed_sampling() -> None:
+    from gpu_asgi import CalibratedEstimator, GPUAdmissionMiddleware, Ledger, PeakCalibration, RouteSpec
 
-    class Old:
+    class Old:  # estimate(prompt_tokens, max_new_tokens, batch): no sampling=
         def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
-            return 1
+            return 7 * batch * (prompt_tokens + max_new_tokens)
 
     class Flexible:
         def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, **options: Any) -> int:
             return 1
 
-    with pytest.raises(TypeError, match="sampling="):
-        GPUAdmissionMiddleware(lambda *a: None, ledger=Ledger({"cpu": 10}), estimator=Old())  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="sampling="):
-        RouteSpec(estimator=Old())  # type: ignore[arg-type]
+    middleware = GPUAdmissionMiddleware(lambda *a: None, ledger=Ledger({"cpu": 10}), estimator=Old())  # type: ignore[arg-type]
+    assert middleware.estimator.estimate(2, 3, 2, sampling=True) == 70
+    spec = RouteSpec(estimator=Old())  # type: ignore[arg-type]
+    assert spec.estimator is not None and spec.estimator.estimate(1, 1, sampling=False) == 14
+    calibrated = CalibratedEstimator(Old(), PeakCalibration())  # type: ignore[arg-type]
+    assert calibrated.estimate(1, 1, sampling=None) == 14
     with pytest.raises(TypeError, match="not an Estimator"):
         RouteSpec(estimator=object())  # type: ignore[arg-type]
-    RouteSpec(estimator=Flexible())
-    RouteSpec(estimator=LinearEstimator(bytes_per_token=1))
+    flexible, linear = Flexible(), LinearEstimator(bytes_per_token=1)
+    assert RouteSpec(estimator=flexible).estimator is flexible  # taken as it is: it accepts sampling=
+    assert RouteSpec(estimator=linear).estimator is linear

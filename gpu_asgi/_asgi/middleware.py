@@ -33,7 +33,7 @@ from .._errors import (
     QueueFull,
     QueueTimeout,
 )
-from .._estimate.linear import Estimator, check_estimator
+from .._estimate.linear import Estimator, as_estimator
 from .._estimate.tokens import HeuristicTokenCounter, TokenCounter
 from .._ledger.contract import BudgetLedger
 from .._observe import tracing as otel
@@ -101,8 +101,7 @@ class GPUAdmissionMiddleware:
             raise ValueError("thermal and device_guard act on device readings: pass sampler=DeviceSampler(probe) too")
         self.app = app
         self.ledger = ledger
-        check_estimator(estimator)
-        self.estimator = estimator
+        self.estimator = as_estimator(estimator)
         self.token_counter: TokenCounter = HeuristicTokenCounter() if token_counter is None else token_counter
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout

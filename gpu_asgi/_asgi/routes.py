@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from starlette.endpoints import HTTPEndpoint
 
 from .._admission.tenant_keys import TenantKey, tenant_keys
-from .._estimate.linear import Estimator, check_estimator
+from .._estimate.linear import Estimator, as_estimator
 from .._ledger.contract import check_priority
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
@@ -74,7 +74,7 @@ class RouteSpec:
 
     def __post_init__(self) -> None:
         if self.estimator is not None:
-            check_estimator(self.estimator)
+            object.__setattr__(self, "estimator", as_estimator(self.estimator))
         if isinstance(self.prompt, str):
             object.__setattr__(self, "prompt", (self.prompt,))
         if isinstance(self.max_tokens_fields, str):

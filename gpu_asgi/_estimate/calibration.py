@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from .linear import Estimator
+from .linear import Estimator, as_estimator
 
 logger = logging.getLogger("gpu_asgi.calibration")
 
@@ -150,7 +150,7 @@ class CalibratedEstimator:
     """
 
     def __init__(self, inner: Estimator, calibration: PeakCalibration, route: str = "default") -> None:
-        self.inner = inner
+        self.inner = as_estimator(inner)
         self.calibration = calibration
         self.route = route
 

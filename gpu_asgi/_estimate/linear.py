@@ -36,18 +36,38 @@ class Estimator(Protocol):
         ...
 
 
-def check_estimator(estimator: Estimator) -> None:
-    """Refuse, where the estimator is declared, one whose ``estimate`` cannot take ``sampling=``:
-    the middleware passes it on every request, so it would otherwise fail on the first one."""
+def as_estimator(estimator: Any) -> Estimator:
+    """``estimator`` ready for the middleware's call ``estimate(prompt, max_new, batch, sampling=...)``.
+
+    An estimator written to the first documented signature, ``estimate(prompt_tokens,
+    max_new_tokens, batch)``, keeps working: it is wrapped so that ``sampling=`` is not passed to
+    it. Anything without an ``estimate()`` method is refused here, where it is declared.
+    """
     try:
         parameters = inspect.signature(estimator.estimate).parameters.values()
     except (AttributeError, TypeError, ValueError):
         raise TypeError(f"{estimator!r} is not an Estimator: it needs an estimate() method") from None
-    if not any(p.name == "sampling" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        raise TypeError(
-            f"{type(estimator).__name__}.estimate() must accept the keyword argument sampling= "
-            "(True, False or None: what the request asked for; ignore it if your estimate does not depend on it)"
-        )
+    if any(p.name == "sampling" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return estimator  # type: ignore[no-any-return]
+    return WithoutSampling(estimator)
+
+
+@dataclass(frozen=True, slots=True)
+class WithoutSampling:
+    """An estimator of the first documented shape, which takes no ``sampling=``: its estimate
+    does not depend on it. Other attributes are the wrapped estimator's."""
+
+    inner: Any
+
+    def estimate(
+        self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None
+    ) -> int:
+        return int(self.inner.estimate(prompt_tokens, max_new_tokens, batch))
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def check_counts(prompt_tokens: int, max_new_tokens: int, batch: int) -> None:
