@@ -26,7 +26,9 @@ import gpu_asgi
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference.md"
 FENCE = re.compile(r"^```(?P<info>[^\n`]*)\n(?P<body>.*?)^```", re.S | re.M)
-SIGNATURE = re.compile(r"^(?P<await>await\s+)?(?P<name>[A-Za-z_][\w.]*)\((?P<params>.*)\)(?:\s*->\s*(?P<ret>.+))?$", re.S)
+SIGNATURE = re.compile(
+    r"^(?P<await>await\s+)?(?P<name>[A-Za-z_][\w.]*)\((?P<params>.*)\)(?:\s*->\s*(?P<ret>.+))?$", re.S
+)
 
 
 def signature_blocks(text: str) -> list[tuple[int, str]]:
@@ -113,8 +115,12 @@ def mismatches(line: int, text: str) -> list[str]:
     positional = args.posonlyargs + args.args
     defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
     for index, (arg, default) in enumerate(zip(positional, defaults, strict=True)):
-        kind = inspect.Parameter.POSITIONAL_ONLY if index < len(args.posonlyargs) else inspect.Parameter.POSITIONAL_OR_KEYWORD
-        documented.append((arg.arg, kind, arg.annotation, default))
+        positional_kind = (
+            inspect.Parameter.POSITIONAL_ONLY
+            if index < len(args.posonlyargs)
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        documented.append((arg.arg, positional_kind, arg.annotation, default))
     if args.vararg:
         documented.append((args.vararg.arg, inspect.Parameter.VAR_POSITIONAL, args.vararg.annotation, None))
     for arg, kw_default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
@@ -142,7 +148,8 @@ def mismatches(line: int, text: str) -> list[str]:
         elif default is None:
             problems.append(f"{where}: {name} has a default in the code ({parameter.default!r})")
         else:
-            value = eval(compile(ast.Expression(default), where, "eval"), namespace)  # noqa: S307 - our own docs
+            # The docs' own text, evaluated where the code's default is written.
+            value = eval(compile(ast.Expression(default), where, "eval"), namespace)
             if not same_default(value, actual_default(obj, parameter)):
                 problems.append(f"{where}: {name} = {ast.unparse(default)} != {parameter.default!r}")
     real_return = actual.return_annotation
@@ -164,7 +171,9 @@ def test_every_public_name_is_documented() -> None:
 
 
 def test_every_documented_name_is_importable_from_gpu_asgi() -> None:
-    names = documented_names(TEXT) | {match["name"].split(".")[0] for _, text in BLOCKS if (match := SIGNATURE.match(text))}
+    names = documented_names(TEXT) | {
+        match["name"].split(".")[0] for _, text in BLOCKS if (match := SIGNATURE.match(text))
+    }
     assert sorted(name for name in names if not hasattr(gpu_asgi, name)) == []
 
 
