@@ -2,7 +2,8 @@
 
 Convention (README.md, "Docs"): a fenced block whose info string is ``python`` runs as it stands;
 ``python fragment`` marks an excerpt that needs things defined elsewhere (a GPU, a model, an app)
-and is only checked to parse. Each document's runnable blocks run in order, in one fresh process,
+and is only checked to parse; ``python signature`` (docs/reference.md) is a signature that
+tests/test_reference.py compares with the code. Each document's runnable blocks run in order, in one fresh process,
 with tracing exports off and no model hub.
 """
 
@@ -65,8 +66,11 @@ def environment() -> dict[str, str]:
 
 @pytest.mark.parametrize("block", blocks("python"), ids=str)
 def test_every_python_block_parses_and_says_whether_it_runs(block: Block) -> None:
-    assert block.info in ("python", "python fragment"), f"{block}: unknown info string {block.info!r}"
-    ast.parse(block.code, filename=str(block))
+    assert block.info in ("python", "python fragment", "python signature"), f"{block}: unknown info string {block.info!r}"
+    if block.info == "python signature":
+        assert block.document.name == "reference.md", f"{block}: signatures are checked in docs/reference.md only"
+    else:
+        ast.parse(block.code, filename=str(block))
 
 
 RUNNABLE = sorted({block.document for block in blocks("python") if block.info == "python"})
