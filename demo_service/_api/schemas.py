@@ -2,7 +2,8 @@
 
 Sizes (prompt, ``max_tokens``, ``n``) are checked by gpu_asgi before the endpoint runs, and the
 endpoint generates exactly the ``max_new_tokens`` the middleware admitted. These models check the
-rest, and name the OpenAI parameters this demo does not implement instead of silently ignoring them.
+rest, as strictly as the schema reads (JSON's types, no coercion: see :mod:`.fields`), and name the
+OpenAI parameters this demo does not implement instead of silently ignoring them.
 
 The schemas also *declare* every limit the server enforces (gpu_asgi's cap on ``max_tokens``, ``n``,
 the sequences per request, the OpenAI parameters that only take their neutral value), so that
@@ -12,27 +13,17 @@ go in through :func:`request_models`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from .fields import INTEGRAL_FLOATS, Integer, Only, StrictBody
 
 #: Most sequences one request may ask for (``n``, and prompts in a completions list, and their product).
 MAX_SEQUENCES = 8
 
-
-def only(*values: Any) -> Any:
-    """``json_schema_extra`` for an OpenAI parameter this demo accepts only at its neutral value(s).
-
-    The field's schema becomes ``{"enum": [...]}``: ``const: null`` would not survive FastAPI,
-    which drops null members from the OpenAPI document.
-    """
-
-    def narrow(schema: dict[str, Any]) -> None:
-        for key in ("anyOf", "type", "additionalProperties", "items"):
-            schema.pop(key, None)
-        schema["enum"] = list(values)
-
-    return narrow
+#: A number of tokens to generate (``Tokens | None``: the bound inside the union's member).
+Tokens = Annotated[int, Field(ge=1), INTEGRAL_FLOATS]
 
 
 class Usage(BaseModel):
@@ -54,13 +45,13 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 # -- /v1/generate ------------------------------------------------------------------------------
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(StrictBody):
     """``{"prompt": ..., "max_new_tokens": ...}``: raw text in, generated text out (no chat template)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1)
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: Tokens | None = None
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: Annotated[list[str], Field(max_length=4)] | None = None
@@ -93,11 +84,11 @@ class GenerateResponse(BaseModel):
 # -- OpenAI: shared ----------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(StrictBody):
     """Parameters common to completions and chat. Unknown fields are ignored, as OpenAI's SDKs add some."""
 
     model_config = ConfigDict(extra="ignore")
@@ -105,32 +96,17 @@ class OpenAIRequest(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_SEQUENCES, description=f"Sequences per prompt (prompts x n <= {MAX_SEQUENCES}).")
+    n: Integer = Field(1, ge=1, le=MAX_SEQUENCES, description=f"Sequences per prompt (prompts x n <= {MAX_SEQUENCES}).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
+    seed: Integer | None = None
     user: str | None = None
-    presence_penalty: float = Field(0.0, json_schema_extra=only(0), description="Not supported: 0 only.")
-    frequency_penalty: float = Field(0.0, json_schema_extra=only(0), description="Not supported: 0 only.")
+    presence_penalty: float = Field(0.0, json_schema_extra=Only(0), description="Not supported: 0 only.")
+    frequency_penalty: float = Field(0.0, json_schema_extra=Only(0), description="Not supported: 0 only.")
     logit_bias: dict[str, float] | None = Field(
-        None, json_schema_extra=only(None, {}), description="Not supported: null or {} only."
+        None, json_schema_extra=Only(None, {}), description="Not supported: null or {} only."
     )
-
-    #: (field, value that is fine): anything else is refused with a clear 422.
-    UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = (
-        ("presence_penalty", 0.0),
-        ("frequency_penalty", 0.0),
-        ("logit_bias", None),
-    )
-
-    @model_validator(mode="after")
-    def _refuse_unsupported(self) -> OpenAIRequest:
-        for name, fine in self.UNSUPPORTED:
-            value = getattr(self, name, None)
-            if value not in (fine, None) and value != {}:
-                raise ValueError(f"{name!r} is not supported by this server (got {value!r})")
-        return self
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -181,23 +157,19 @@ def _prompt_schema(vocab_size: int | None) -> Any:
     return declare
 
 
+#: Text, texts, token ids, or lists of token ids.
+Prompt = str | list[str] | list[Integer] | list[list[Integer]]
+
+
 class CompletionRequest(OpenAIRequest):
     model_config = ConfigDict(json_schema_extra=_sequences_limit)
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(json_schema_extra=_prompt_schema(None))
-    max_tokens: int | None = Field(None, ge=1)
-    echo: bool = Field(False, json_schema_extra=only(False), description="Not supported: false only.")
-    logprobs: int | None = Field(None, json_schema_extra=only(None), description="Not supported.")
-    best_of: int | None = Field(None, json_schema_extra=only(1, None), description="Not supported: 1 only.")
-    suffix: str | None = Field(None, json_schema_extra=only(None), description="Not supported.")
-
-    UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = (
-        *OpenAIRequest.UNSUPPORTED,
-        ("echo", False),
-        ("logprobs", None),
-        ("best_of", 1),
-        ("suffix", None),
-    )
+    prompt: Prompt = Field(json_schema_extra=_prompt_schema(None))
+    max_tokens: Tokens | None = None
+    echo: bool = Field(False, json_schema_extra=Only(False), description="Not supported: false only.")
+    logprobs: Integer | None = Field(None, json_schema_extra=Only(None), description="Not supported.")
+    best_of: Integer | None = Field(None, json_schema_extra=Only(1, None), description="Not supported: 1 only.")
+    suffix: str | None = Field(None, json_schema_extra=Only(None), description="Not supported.")
 
 
 class CompletionChoice(BaseModel):
@@ -219,12 +191,12 @@ class Completion(BaseModel):
 # -- /v1/chat/completions -----------------------------------------------------------------------
 
 
-class TextPart(BaseModel):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -232,24 +204,16 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = Field(None, json_schema_extra=only(False, None), description="Not supported.")
-    top_logprobs: int | None = Field(None, json_schema_extra=only(None), description="Not supported.")
-    tools: list[Any] | None = Field(None, json_schema_extra=only(None), description="Not supported.")
-    tool_choice: Any = Field(None, json_schema_extra=only(None), description="Not supported.")
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
+    logprobs: bool | None = Field(None, json_schema_extra=Only(False, None), description="Not supported.")
+    top_logprobs: Integer | None = Field(None, json_schema_extra=Only(None), description="Not supported.")
+    tools: list[Any] | None = Field(None, json_schema_extra=Only(None), description="Not supported.")
+    tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra=Only(None), description="Not supported.")
     response_format: dict[str, Any] | None = Field(
         None,
         json_schema_extra={"properties": {"type": {"const": "text"}}},
         description='Only {"type": "text"}.',
-    )
-
-    UNSUPPORTED: ClassVar[tuple[tuple[str, Any], ...]] = (
-        *OpenAIRequest.UNSUPPORTED,
-        ("logprobs", False),
-        ("top_logprobs", None),
-        ("tools", None),
-        ("tool_choice", None),
     )
 
     @model_validator(mode="after")
@@ -322,22 +286,24 @@ class RequestModels(NamedTuple):
 def request_models(*, max_new_tokens_cap: int, vocab_size: int) -> RequestModels:
     """The request models of one app, declaring its ``max_tokens`` cap and its token-id range."""
 
+    capped = Annotated[int, Field(ge=1, le=max_new_tokens_cap), INTEGRAL_FLOATS]
+
     def tokens() -> Any:
-        return Field(None, ge=1, le=max_new_tokens_cap, description=f"At most {max_new_tokens_cap} (the server's cap).")
+        return Field(None, description=f"At most {max_new_tokens_cap} (the server's cap).")
 
     prompt = Field(json_schema_extra=_prompt_schema(vocab_size))
     return RequestModels(
-        generate=create_model("GenerateRequest", __base__=GenerateRequest, max_new_tokens=(int | None, tokens())),
+        generate=create_model("GenerateRequest", __base__=GenerateRequest, max_new_tokens=(capped | None, tokens())),
         completion=create_model(
             "CompletionRequest",
             __base__=CompletionRequest,
-            prompt=(str | list[str] | list[int] | list[list[int]], prompt),
-            max_tokens=(int | None, tokens()),
+            prompt=(Prompt, prompt),
+            max_tokens=(capped | None, tokens()),
         ),
         chat=create_model(
             "ChatRequest",
             __base__=ChatRequest,
-            max_tokens=(int | None, tokens()),
-            max_completion_tokens=(int | None, tokens()),
+            max_tokens=(capped | None, tokens()),
+            max_completion_tokens=(capped | None, tokens()),
         ),
     )
