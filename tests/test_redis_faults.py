@@ -66,11 +66,11 @@ async def test_redis_down_fails_closed_with_503_then_recovers_without_a_restart(
         problem = refused.json()
         assert problem["type"] == "urn:gpu-asgi:problem:ledger-unavailable"
         assert "unavailable" in problem["detail"] and "fails closed" in problem["detail"]
-        assert not ledger.available
+        assert not ledger.available and ledger.availability == "unavailable"  # what /health reads
         assert ledger.statistics().rejected_total.get("ledger-unavailable") == 1
 
         own_redis_server.start()  # same port, empty
-        await eventually(lambda: ledger.available, timeout=5)  # the heartbeat reconnects
+        await eventually(lambda: ledger.availability == "available", timeout=5)  # the heartbeat reconnects
         assert (await client.post("/generate", json=payload)).status_code == 200
     await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
     await ledger.aclose()
@@ -166,7 +166,7 @@ async def test_local_fallback_admits_within_its_share_and_hands_over_on_recovery
     )  # fmt: skip
     own_redis_server.stop()
     local = await ledger.reserve(30)
-    assert not ledger.available
+    assert not ledger.available and ledger.availability == "local"  # /health: degraded
     assert ledger.statistics().capacity_bytes == 50  # the local share is what admits now
     with pytest.raises(LedgerUnavailable, match="local share"):
         await ledger.reserve(60)  # fits the shared budget, never the local share

@@ -11,6 +11,13 @@ from .memory import Ledger
 from .tenants import DEFAULT_POLICY, TenantPolicy
 
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+#: ``RedisLedger``'s own options: how to reach Redis and what to do while it is away. They configure
+#: no part of the in-process ledger (there is no connection), so a ``memory://`` URL accepts and
+#: leaves them, and one call serves both configurations (docs/deployment.md).
+REDIS_CONNECTION_OPTIONS = frozenset(
+    {"namespace", "lease_ttl", "heartbeat", "poll_interval", "notify", "redis_timeout", "max_connections",
+     "on_unavailable", "local_share"}
+)  # fmt: skip
 
 
 def ledger_from_url(
@@ -29,10 +36,12 @@ def ledger_from_url(
     ``redis://``, ``rediss://`` or ``unix://`` → :class:`~gpu_asgi.RedisLedger`, shared by every
     process on the same namespace (needs ``gpu_asgi[redis]``).
 
-    The options both ledgers take (the queue's bounds and the tenants') go to either, so one
-    configuration behaves the same on both. ``redis_options`` (``namespace``, ``lease_ttl``,
-    ``on_unavailable``, ...) only the Redis ledger can honour: given with an in-process URL they
-    are a ``TypeError`` naming them, never silently dropped.
+    Every option that decides admission (the queue's bounds, the tenants' weights, quotas and
+    idle time) goes to either ledger by name, so one configuration admits alike on both.
+    ``redis_options`` are the Redis ledger's connection options (``REDIS_CONNECTION_OPTIONS``:
+    ``namespace``, ``lease_ttl``, ``on_unavailable``, ...); an in-process URL has no connection
+    for them to configure and leaves them. Any other name is a ``TypeError`` naming it, at once,
+    whatever the URL.
     """
     shared: dict[str, Any] = {
         "max_queue": max_queue,
@@ -43,10 +52,10 @@ def ledger_from_url(
         "tenant_idle_ttl": tenant_idle_ttl,
     }
     scheme = url.partition("://")[0].lower() if url else "memory"
+    unknown = sorted(set(redis_options) - REDIS_CONNECTION_OPTIONS)
+    if unknown:
+        raise TypeError(f"ledger_from_url() got an unexpected keyword argument {unknown[0]!r}")
     if scheme == "memory":
-        if redis_options:
-            names = ", ".join(sorted(redis_options))
-            raise TypeError(f"ledger_from_url({url!r}): the in-process ledger has no option {names} (Redis only)")
         return Ledger(capacity, **shared)
     if scheme not in REDIS_SCHEMES:
         raise ValueError(f"unknown ledger URL scheme {scheme!r}: use memory://, redis://, rediss:// or unix://")
