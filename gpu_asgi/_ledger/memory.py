@@ -2,7 +2,7 @@
 
 The decision rule (docs/admission.md, "The ledger") in short: waiters queue in lanes, one per
 (tenant, priority, size class, allowed devices), each strictly FIFO; only lane heads are looked
-at, by their tenant's virtual time (``_fair_share``), then priority, then arrival. A head that
+at, by their tenant's virtual time (``fair_share``), then priority, then arrival. A head that
 fits (within its tenant's quota) is admitted; one admitted while a head ahead of it (lower virtual
 time, or the same and an earlier arrival) could use the same device counts as passing that head,
 and a head passed ``max_bypass`` times keeps its devices from every head behind it until it fits.

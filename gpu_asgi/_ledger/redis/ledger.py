@@ -4,13 +4,13 @@
 only its own requests, so together they over-commit the GPU. :class:`RedisLedger` keeps the same
 interface and semantics with one budget per device across all of them:
 
-- reserve and release are atomic Lua scripts on the server (``_redis_lua``) that apply the
+- reserve and release are atomic Lua scripts on the server (``lua/*.lua``) that apply the
   in-process ledger's decision rule to one global queue, so no worker's waiters starve another's;
   a script looks only at lane heads, so its cost does not grow with the number of waiters;
 - waiters are woken by pub/sub, with a slow poll as the fallback;
-- each reservation is a lease renewed by a heartbeat (``_redis_upkeep``): a crashed worker's
+- each reservation is a lease renewed by a heartbeat (``upkeep``): a crashed worker's
   bytes come back within ``lease_ttl``; a spell in which Redis ran no script (stalled, cut off)
-  ages leases one heartbeat only, since nobody could renew them (``_redis_lua``, the lease
+  ages leases one heartbeat only, since nobody could renew them (``lua``, the lease
   clock); leases Redis lost while still held are put back;
 - Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
   connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger

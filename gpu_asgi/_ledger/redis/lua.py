@@ -31,7 +31,7 @@ ledger"): ``dispatch`` looks only at lane heads, so its cost grows with the numb
 with the number of waiters. Each admitted ticket becomes a lease owned by its waiter and
 ``{id: device}`` is published on the wake channel, so a woken waiter needs no further round trip.
 Time is the server's (``TIME``, in ``clock.lua``), so the hosts' clocks never matter. The fair
-share between tenants (``_fair_share``) is computed here with the same
+share between tenants (``fair_share``) is computed here with the same
 arithmetic in the same order, so both ledgers reach the same floats and the same decisions.
 Tenants' weights and quotas come with the config of every call: every process sharing a
 namespace must configure the same tenants.
@@ -41,7 +41,7 @@ which no script ran at all (Redis stalled, or cut off from every worker, or rest
 data), beyond one heartbeat each. Every live worker beats once per heartbeat, so a longer spell
 without scripts is one in which nobody could renew anything; it ages every lease as one heartbeat
 would. A live holder renews within half a heartbeat of Redis serving again (after a beat that did
-not land, the next comes half a heartbeat later: ``_redis_upkeep``), so between two of its renewals
+not land, the next comes half a heartbeat later: ``upkeep``), so between two of its renewals
 a lease ages at most one heartbeat before the spell, one across it and half one after: 2.5
 heartbeats of the 3 a default lease lasts. A crashed worker's lease still expires after
 ``lease_ttl`` of serving time. A gap of up to one heartbeat counts in full, so with scripts at

@@ -71,7 +71,7 @@ class Beat:
 
     @property
     def release_rate(self) -> float:
-        """Bytes given back per busy second as of the snapshot's instant, by the in-process ledger's rule (``_drain``)."""
+        """Bytes given back per busy second as of the snapshot's instant, by the in-process ledger's rule (``drain``)."""
         return drain_rate(self.released_bytes, self.busy_seconds)
 
     def statistics(
@@ -161,7 +161,7 @@ class LedgerScripts:
         self.channel = f"{tag}:wake"
         self.timeout = timeout
         self.client = client
-        #: The dataset this process last saw (see _redis_lua: data loss); '' until the first heartbeat.
+        #: The dataset this process last saw (see lua.py: data loss); '' until the first heartbeat.
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
         config |= {"chan": self.channel, "window": RATE_WINDOW, "span": MIN_BUSY_SPAN}

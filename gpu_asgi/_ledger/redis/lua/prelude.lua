@@ -27,7 +27,7 @@ do
   lease_now = now - lost
 end
 
--- A drain rate's bytes and busy seconds after 'elapsed' more busy seconds (_drain.DrainRate): both
+-- A drain rate's bytes and busy seconds after 'elapsed' more busy seconds (drain.DrainRate): both
 -- decay by d, the seconds grow by window * (1 - d), the exact continuous average, so advancing in
 -- one step or in several gives the same numbers (to rounding), in the same arithmetic as Python.
 local function decayed(b, secs, elapsed)
@@ -35,7 +35,7 @@ local function decayed(b, secs, elapsed)
   return b * d, secs * d + cfg.window * (1 - d)
 end
 
--- The drain rate (gpu_asgi/_drain.py): decay by busy time only, since the last script.
+-- The drain rate (gpu_asgi/_ledger/drain.py): decay by busy time only, since the last script.
 do
   local rel = redis.call('HMGET', K_REL, 'bytes', 'seconds', 'last', 'busy')
   local last = tonumber(rel[3] or now)
@@ -71,7 +71,7 @@ local function place(n, devs)
   return nil
 end
 
--- Tenants' accounts: the same fields and arithmetic as gpu_asgi/_fair_share.py.
+-- Tenants' accounts: the same fields and arithmetic as gpu_asgi/_ledger/fair_share.py.
 local function account(t)
   local r = redis.call('HMGET', K_TEN .. ':' .. t, 'held', 'inflight', 'waiting', 'wbytes', 'vt', 'served', 'last',
     'credit', 'low', 'hcredit', 'high', 'abytes', 'asecs', 'alast')
@@ -114,7 +114,7 @@ local function advance(a)
   end
 end
 
--- The tenant's admission rate (_fair_share.Account.admissions, a _drain.DrainRate): bytes of its
+-- The tenant's admission rate (fair_share.Account.admissions, a drain.DrainRate): bytes of its
 -- waiters admitted, decayed by the seconds it had a waiter, and those seconds. Called before every
 -- change of 'waiting', so waiting > 0 says whether it had one since 'alast'.
 local function admissions_advance(a)
@@ -122,7 +122,7 @@ local function admissions_advance(a)
   if now > a.alast then a.alast = now end
 end
 
--- A rate from its decayed sums (_drain.drain_rate): 0 until a release and cfg.span weighted seconds.
+-- A rate from its decayed sums (drain.drain_rate): 0 until a release and cfg.span weighted seconds.
 local function rate_of(b, secs)
   if b > 0 and secs >= cfg.span then return b / secs end
   return 0
@@ -172,7 +172,7 @@ local function others_of(t)
   return others, low, high
 end
 
--- A waiter joins; the tenant's first one is lifted (_fair_share.lift): no more lead than it had
+-- A waiter joins; the tenant's first one is lifted (fair_share.lift): no more lead than it had
 -- over the tenants it was measured against that are still among the others, never behind the
 -- lowest; when neither is, its credit against the lowest now.
 local function tenant_queued(t, n)
@@ -199,7 +199,7 @@ local function tenant_queued(t, n)
 end
 
 -- A waiter left (admitted, timed out, cancelled); the tenant's last one records its lead over the
--- lowest and the highest of the others (_fair_share.measure). An admitted one counts in its rate.
+-- lowest and the highest of the others (fair_share.measure). An admitted one counts in its rate.
 local function tenant_left(t, n, admitted)
   local a = account(t)
   admissions_advance(a)
@@ -391,7 +391,7 @@ local function size_class(n)
   return c
 end
 
--- The shared state now, as _redis_scripts.Beat reads it: bytes and leases held by device, waiters,
+-- The shared state now, as redis/scripts.py's Beat reads it: bytes and leases held by device, waiters,
 -- the counts, the drain rate's bytes and busy seconds, the boot id, and one row per tenant that
 -- holds or waits, per configured one and for tenant 'also' (if given): name, held, leases,
 -- waiting, bytes waiting, byte-seconds served up to now, virtual time, its lead (credit, low,
