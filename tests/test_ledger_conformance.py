@@ -287,6 +287,9 @@ async def test_one_deadline_bounds_the_wait_by_max_wait_and_the_old_pair_still_w
         await asyncio.wait_for(ledger.reserve(10, timeout=0.1), 10)
     with pytest.raises(TypeError, match="deadline= alone"):
         await ledger.reserve(10, deadline=1, wait_limit=1)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="deadline"):
+            await ledger.reserve(10, deadline=bad)
     holder.release()
     await backend.quiet()
     assert ledger.statistics().waiting == 0

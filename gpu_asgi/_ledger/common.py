@@ -130,6 +130,8 @@ class LedgerBase:
         if timeout is None and wait_limit is None:
             if deadline is None:
                 return None, self.max_wait
+            if not deadline >= 0:  # NaN too
+                raise ValueError(f"deadline must be a number of seconds >= 0, got {deadline!r}")
             return deadline, min(deadline, self.max_wait)
         if deadline is not None:
             raise TypeError("reserve() takes deadline= alone: timeout= and wait_limit= are its deprecated forms")

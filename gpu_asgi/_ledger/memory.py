@@ -179,8 +179,16 @@ class Ledger(LedgerBase):
         once, before any queue check (docs/admission.md, "Deadlines"). ``timeout`` and
         ``wait_limit`` are deprecated (``LedgerBase._wait_bounds``).
         """
-        check_priority(priority)
         limit, wait = self._wait_bounds(deadline, timeout, wait_limit)
+        return await self._reserve(nbytes, devices, priority, tenant, limit, wait)
+
+    async def _reserve(
+        self, nbytes: int, devices: Sequence[str] | None, priority: int, tenant: str, limit: float | None, wait: float
+    ) -> Reservation:
+        """:meth:`reserve` with its bounds resolved: the deadline rule decides on ``limit`` (None:
+        no rule), and the request waits ``wait`` seconds at most. The Redis ledger's local fallback
+        calls this with what is left of a request's wait."""
+        check_priority(priority)
         allowed = self._allowed(devices, nbytes)
         fits = self._fits_quota(tenant, nbytes)
         self._bind()

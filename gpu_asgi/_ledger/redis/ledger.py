@@ -422,7 +422,7 @@ class RedisLedger(LedgerBase):
                 retry_after=self.heartbeat,
             )
         try:
-            inner = await local.reserve(nbytes, devices=names, priority=priority, tenant=tenant, deadline=timeout)
+            inner = await local._reserve(nbytes, names, priority, tenant, None, timeout)  # the wait left, no new rule
         except NeverFits as exc:
             self._unavailable_total += 1
             raise LedgerUnavailable(
