@@ -102,12 +102,14 @@ async def open_ledgers(
         return
     from gpu_asgi._ledger.redis.ledger import RedisLedger
 
+    from ._redis_clock import redis_ledger as clocked_ledger
+
     assert server is not None
     made: list[RedisLedger] = []
     leases: dict[str, Any] = {} if clock is None else {"lease_ttl": 3600.0}
 
     def make(capacity: Any, **options: Any) -> RedisLedger:
-        ledger = RedisLedger(server.url, capacity, namespace=name, **timed, **{**leases, **options})
+        ledger = clocked_ledger(server.url, capacity, namespace=name, **timed, **{**leases, **options})
         made.append(ledger)
         return ledger
 

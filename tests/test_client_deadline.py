@@ -57,12 +57,12 @@ class FakeClock:
 
 
 def recording(ledger: BudgetLedger) -> list[float | None]:
-    """Record the ``timeout`` of each ``reserve`` the middleware makes on ``ledger``."""
+    """Record the ``deadline`` of each ``reserve`` the middleware makes on ``ledger``."""
     timeouts: list[float | None] = []
     reserve = ledger.reserve
 
     async def spy(nbytes: int, **options: Any) -> Reservation:
-        timeouts.append(options.get("timeout"))
+        timeouts.append(options.get("deadline"))
         return await reserve(nbytes, **options)
 
     ledger.reserve = spy  # type: ignore[method-assign]
@@ -203,10 +203,12 @@ def test_max_client_wait_must_be_positive_and_finite() -> None:
 async def redis_ledger(redis_server: RedisServer, namespace: str) -> AsyncIterator[Callable[..., BudgetLedger]]:
     from gpu_asgi._ledger.redis.ledger import RedisLedger
 
+    from ._redis_clock import redis_ledger as clocked_ledger
+
     made: list[RedisLedger] = []
 
     def make(**options: Any) -> RedisLedger:
-        made.append(RedisLedger(redis_server.url, CAPACITY, namespace=namespace, **options))
+        made.append(clocked_ledger(redis_server.url, CAPACITY, namespace=namespace, **options))
         return made[-1]
 
     yield make
@@ -329,12 +331,12 @@ async def test_a_request_that_must_queue_is_decided_on_the_state_of_that_moment(
     assert expected == pytest.approx(100 / rate)
 
     with pytest.raises(DeadlineUnmeetable) as refused:
-        await asyncio.wait_for(ledger.reserve(20, tenant="heavy", wait_limit=5), 10)  # fail, never hang
+        await asyncio.wait_for(ledger.reserve(20, tenant="heavy", deadline=5), 10)  # fail, never hang
     assert refused.value.retry_after == expected
     assert refused.value.extensions == {"predicted_wait_seconds": round(expected, 3)}
     assert waiting_now(backend, ledger) == 4  # never queued, not even for a moment
 
-    light = start(ledger, 20, tenant="light", wait_limit=5)
+    light = start(ledger, 20, tenant="light", deadline=5)
     await backend.queued(ledger, 5)
     holder.release()
     assert (await asyncio.wait_for(light, 5)).tenant == "light"  # ordered before the heavy backlog
@@ -350,7 +352,7 @@ async def test_a_deadline_refusal_is_counted_as_the_ledgers_other_refusals_are(b
     holder, heavy = await heavy_backlog(backend, ledger, then=0)
     for _ in range(2):
         with pytest.raises(DeadlineUnmeetable):
-            await asyncio.wait_for(ledger.reserve(20, tenant="heavy", wait_limit=5), 10)  # fail, never hang
+            await asyncio.wait_for(ledger.reserve(20, tenant="heavy", deadline=5), 10)  # fail, never hang
     for task in heavy:  # cancelled: no refusal
         task.cancel()
     await asyncio.gather(*heavy, return_exceptions=True)
@@ -386,7 +388,7 @@ async def test_an_idle_tenant_is_ordered_by_its_remembered_virtual_time(backend:
     waiters = [start(ledger, 20, tenant="x") for _ in range(4)]
     await backend.queued(ledger, 4)
     with pytest.raises(DeadlineUnmeetable) as refused:
-        await asyncio.wait_for(ledger.reserve(20, tenant="d", wait_limit=5), 10)  # fail, never hang
+        await asyncio.wait_for(ledger.reserve(20, tenant="d", deadline=5), 10)  # fail, never hang
     assert refused.value.retry_after == pytest.approx(RATE_WINDOW * -math.expm1(-10 / RATE_WINDOW))
     assert waiting_now(backend, ledger) == 4
     for task in waiters:
@@ -398,7 +400,7 @@ async def test_an_idle_tenant_is_ordered_by_its_remembered_virtual_time(backend:
 async def test_without_a_drain_rate_nothing_is_refused(backend: Backend) -> None:
     ledger = backend.make(100, max_wait=1000)
     holder = await ledger.reserve(100)
-    waiter = start(ledger, 50, wait_limit=0.5)
+    waiter = start(ledger, 50, deadline=3)  # short, but no drain rate is known
     await backend.queued(ledger, 1)
     holder.release()
     (await asyncio.wait_for(waiter, 5)).release()
@@ -427,7 +429,7 @@ async def test_bytes_freed_between_the_decision_and_joining_are_granted(
         return answer
 
     ledger._scripts.reserve = freed_after_the_decision
-    reservation = await asyncio.wait_for(ledger.reserve(NEED, wait_limit=900), 10)
+    reservation = await asyncio.wait_for(ledger.reserve(NEED, deadline=900), 10)
     assert answers == ["state", "granted"]
     assert redis_server.ledger_state(namespace) == {"reserved": NEED, "leases": 1, "tickets": 0, "queued": 0}
     reservation.release()
@@ -480,12 +482,12 @@ async def test_a_deadline_shorter_than_the_quota_wait_is_refused_and_a_longer_on
     ledger, holder = await capped_at_its_quota_with_its_own_rate(backend)
     expected = 50 / (100 / TEN_SECONDS)
     with pytest.raises(DeadlineUnmeetable) as refused:
-        await asyncio.wait_for(ledger.reserve(50, tenant="capped", wait_limit=2), 10)  # fail, never hang
+        await asyncio.wait_for(ledger.reserve(50, tenant="capped", deadline=2), 10)  # fail, never hang
     assert refused.value.retry_after == pytest.approx(expected)
     assert refused.value.extensions == {"predicted_wait_seconds": round(refused.value.retry_after, 3)}
     assert waiting_now(backend, ledger) == 0  # never queued
 
-    waiter = start(ledger, 50, tenant="capped", wait_limit=10)
+    waiter = start(ledger, 50, tenant="capped", deadline=10)
     await backend.queued(ledger, 1)
     assert not waiter.done()  # 900 bytes free, but the quota is full: it waits for "capped"'s own bytes
     holder.release()
@@ -506,9 +508,9 @@ async def test_a_tenant_with_no_rate_of_its_own_is_told_the_wait_at_the_ledgers_
     assert rate == pytest.approx(100 / TEN_SECONDS)
     assert ledger.retry_after(50, tenant="capped") == pytest.approx(50 / rate)
     with pytest.raises(DeadlineUnmeetable) as refused:
-        await asyncio.wait_for(ledger.reserve(50, tenant="capped", wait_limit=2), 10)  # fail, never hang
+        await asyncio.wait_for(ledger.reserve(50, tenant="capped", deadline=2), 10)  # fail, never hang
     assert refused.value.retry_after == pytest.approx(50 / rate)
-    waiter = start(ledger, 50, tenant="capped", wait_limit=10)
+    waiter = start(ledger, 50, tenant="capped", deadline=10)
     await backend.queued(ledger, 1)
     holder.release()
     (await asyncio.wait_for(waiter, 5)).release()
@@ -527,7 +529,7 @@ async def test_a_tenant_without_a_quota_or_within_it_is_predicted_as_before(back
     assert ledger.retry_after(20, tenant="heavy") == pytest.approx(100 / rate)
     assert ledger.retry_after(20, tenant="light") == pytest.approx(20 / rate)
     with pytest.raises(DeadlineUnmeetable) as refused:
-        await asyncio.wait_for(ledger.reserve(20, tenant="heavy", wait_limit=5), 10)  # fail, never hang
+        await asyncio.wait_for(ledger.reserve(20, tenant="heavy", deadline=5), 10)  # fail, never hang
     assert refused.value.retry_after == pytest.approx(100 / rate)
     for task in heavy:
         task.cancel()

@@ -146,11 +146,13 @@ async def same_rates_with_and_without_polls(
 
     from gpu_asgi._ledger.redis.scripts import LedgerScripts
 
+    from ._redis_clock import ClockedScripts
+
     now = [1000.0]
     client = Redis.from_url(server.url)
 
     def scripts() -> LedgerScripts:
-        return LedgerScripts(
+        return ClockedScripts(
             client,
             f"drain-{uuid.uuid4().hex[:10]}",
             {"cuda:0": 100},

@@ -327,13 +327,14 @@ async def test_health_degraded_when_a_closed_guard_can_check_only_some_devices()
     assert report["reasons"] == ["the device guard cannot check cuda:0: the probe has no reading for cuda:0"]
 
 
-@pytest.mark.parametrize(("mode", "expected"), [("fail-closed", "unavailable"), ("local", "degraded")])
-def test_health_follows_an_unreachable_shared_ledger(mode: str, expected: str) -> None:
-    # RedisLedger's `available` and `on_unavailable`, on an in-process ledger: fail-closed refuses
-    # every request (503 ledger-unavailable), so /health must say so too.
+@pytest.mark.parametrize(("availability", "expected"), [("unavailable", "unavailable"), ("local", "degraded")])
+def test_health_follows_an_unreachable_shared_ledger(availability: str, expected: str) -> None:
+    # RedisLedger's `availability` while Redis is away, on an in-process ledger: fail-closed
+    # refuses every request (503 ledger-unavailable), so /health must say so too.
     class Unreachable(Ledger):
-        available = False
-        on_unavailable = mode
+        pass
+
+    Unreachable.availability = availability  # type: ignore[assignment]
 
     report = health_report(Unreachable(1000))
     assert report["status"] == expected and "shared ledger is unreachable" in report["reasons"][0]

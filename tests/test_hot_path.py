@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +93,15 @@ async def test_a_tagged_read_reaches_the_ledger_through_admit_and_reserve_alone(
     chains: list[list[str]] = []
 
     class StackLedger(Ledger):
-        def try_reserve(
-            self, nbytes: int, *, devices: tuple[str, ...] | None = None, tenant: str = DEFAULT_TENANT
+        async def reserve_if_free(
+            self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
         ) -> Reservation | None:
             chain, frame = [], sys._getframe(1)
             while frame is not None and frame.f_code.co_filename.startswith(package):
                 chain.append(frame.f_code.co_qualname)
                 frame = frame.f_back
             chains.append(chain)
-            return super().try_reserve(nbytes, devices=devices, tenant=tenant)
+            return await super().reserve_if_free(nbytes, devices=devices, tenant=tenant)
 
     @gpu_bound()
     async def tagged(request: Request) -> JSONResponse:

@@ -322,7 +322,7 @@ def test_a_shrink_and_a_release_on_two_threads_give_each_byte_back_once() -> Non
     given: list[int] = []
 
     class Recorder:
-        def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
             given.append(nbytes)
 
     slot = Reservation.__dict__["_held"]  # the slot the base class keeps what it holds in

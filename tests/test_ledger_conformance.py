@@ -16,7 +16,16 @@ from typing import Any
 
 import pytest
 
-from gpu_asgi import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, NeverFits, QueueFull, Reservation, gpu_bound
+from gpu_asgi import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    BudgetLedger,
+    NeverFits,
+    QueueFull,
+    QueueTimeout,
+    Reservation,
+    gpu_bound,
+)
 
 from . import _redis
 from ._backends import BACKENDS, Backend, open_backend, start
@@ -221,3 +230,66 @@ def test_a_route_with_a_priority_out_of_range_is_refused_when_declared() -> None
     with pytest.raises(ValueError, match="priority must be an integer"):
         gpu_bound(priority=MAX_PRIORITY + 1)
     gpu_bound(priority=MIN_PRIORITY)  # the edges are fine
+
+
+# -- the protocol: every member means the same in both ledgers (contract.BudgetLedger) -----------
+
+
+async def test_reserve_if_free_grants_what_fits_while_nobody_waits_and_never_queues(backend: Backend) -> None:
+    ledger = backend.make({"cuda:0": 100, "cuda:1": 50})
+    assert isinstance(ledger, BudgetLedger) and ledger.availability == "available"
+    first = await ledger.reserve_if_free(60)
+    assert first is not None and (first.device, first.nbytes, first.waited) == ("cuda:0", 60, 0.0)
+    assert await ledger.reserve_if_free(60) is None  # fits no device now: None, nothing queued
+    with pytest.raises(NeverFits):
+        await ledger.reserve_if_free(101)  # waiting could never help: refused, as reserve() refuses it
+    waiter = await queue(backend, ledger, 60)
+    assert await ledger.reserve_if_free(10) is None  # 40 + 50 bytes free, but never ahead of a waiter
+    await backend.queued(ledger, 1)
+    first.release()
+    (await granted(waiter)).release()
+    second = await ledger.reserve_if_free(50, devices=["cuda:1"])
+    assert second is not None and second.device == "cuda:1"
+    second.release()
+    await backend.quiet()
+    assert ledger.statistics().waiting == 0
+
+
+async def test_give_back_is_told_the_bytes_returned_in_both_ledgers(backend: Backend) -> None:
+    """``give_back``'s ``nbytes`` has one meaning: the bytes this call returns (the reservation's
+    ``nbytes`` is already what it keeps)."""
+    ledger = backend.make(100)
+    calls: list[tuple[int, int, bool]] = []
+    give_back = ledger.give_back
+
+    def spy(reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        calls.append((nbytes, reservation.nbytes, finished))
+        give_back(reservation, nbytes, finished=finished)
+
+    ledger.give_back = spy  # type: ignore[method-assign]
+    reservation = await ledger.reserve(100)
+    assert reservation.shrink(30) == 70
+    assert reservation.release() == 30
+    assert calls == [(70, 30, False), (30, 0, True)]
+    (await asyncio.wait_for(ledger.reserve(100), 5)).release()  # every byte came back
+
+
+async def test_one_deadline_bounds_the_wait_by_max_wait_and_the_old_pair_still_works(backend: Backend) -> None:
+    """``deadline`` is cut to ``max_wait``; ``timeout=`` and ``wait_limit=`` still work for a release,
+    with a DeprecationWarning, and may not be mixed with it."""
+    ledger = backend.make(100, max_wait=0.3)
+    holder = await ledger.reserve(100)
+    begun = time.monotonic()
+    with pytest.raises(QueueTimeout):
+        await asyncio.wait_for(ledger.reserve(10, deadline=1000), 10)  # no drain rate yet: it queues
+    assert time.monotonic() - begun < 5  # max_wait's 0.3 s, not the deadline's 1000
+    with pytest.raises(QueueTimeout), pytest.warns(DeprecationWarning, match="deadline="):
+        await asyncio.wait_for(ledger.reserve(10, timeout=0.1), 10)
+    with pytest.raises(TypeError, match="deadline= alone"):
+        await ledger.reserve(10, deadline=1, wait_limit=1)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="deadline"):
+            await ledger.reserve(10, deadline=bad)
+    holder.release()
+    await backend.quiet()
+    assert ledger.statistics().waiting == 0

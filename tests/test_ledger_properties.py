@@ -135,13 +135,13 @@ class InRedis:
     ) -> None:
         from redis.asyncio import Redis
 
-        from gpu_asgi._ledger.redis.scripts import LedgerScripts
+        from ._redis_clock import ClockedScripts
 
         self.loop = loop
         self.server = server
         self.namespace = namespace
         self.client = Redis.from_url(server.url)
-        self.scripts = LedgerScripts(
+        self.scripts = ClockedScripts(
             self.client,
             namespace,
             CAPACITIES,
@@ -441,7 +441,7 @@ class TwoLedgersMachine(LedgerMachine):
         tenant=st.sampled_from(TENANTS),
     )
     def predict_for_a_deadline(self, nbytes: int, choice: int, priority: int, tenant: str) -> None:
-        """What each ledger decides a deadline on, asked where ``reserve(wait_limit=...)`` asks it:
+        """What each ledger decides a deadline on, asked where ``reserve(deadline=...)`` asks it:
         granted at once by both, or the same drain rate and predicted wait from both, on the
         in-process state and on the state the reserve script returns (its flag set: no ticket
         taken), at any instant: the rate is read as of now in both, after ticks too, though Redis
@@ -455,7 +455,7 @@ class TwoLedgersMachine(LedgerMachine):
         memory = self.memory.ledger
         grantable = memory.try_reserve(nbytes, devices=devices, tenant=tenant)
         names = [name for name in CAPACITIES if devices is None or name in devices]
-        answer = self.redis.run(self.redis.scripts.reserve("probe", nbytes, names, priority, tenant, wait=True))
+        answer = self.redis.run(self.redis.scripts.reserve("probe", nbytes, names, priority, tenant, "wait"))
         if grantable is not None:
             assert answer[0] == "granted", "the in-process ledger grants at once, Redis does not"
             grantable.release()

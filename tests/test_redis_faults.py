@@ -21,6 +21,7 @@ from gpu_asgi._ledger.redis.ledger import RedisLedger
 from . import _redis
 from ._backends import Clock, start
 from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
+from ._redis_clock import clocked
 
 pytestmark = requires_redis_server
 own_redis_server, namespace = _redis.own_redis_server, _redis.namespace  # fixtures
@@ -65,11 +66,11 @@ async def test_redis_down_fails_closed_with_503_then_recovers_without_a_restart(
         problem = refused.json()
         assert problem["type"] == "urn:gpu-asgi:problem:ledger-unavailable"
         assert "unavailable" in problem["detail"] and "fails closed" in problem["detail"]
-        assert not ledger.available
+        assert not ledger.available and ledger.availability == "unavailable"  # what /health reads
         assert ledger.statistics().rejected_total.get("ledger-unavailable") == 1
 
         own_redis_server.start()  # same port, empty
-        await eventually(lambda: ledger.available, timeout=5)  # the heartbeat reconnects
+        await eventually(lambda: ledger.availability == "available", timeout=5)  # the heartbeat reconnects
         assert (await client.post("/generate", json=payload)).status_code == 200
     await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY)
     await ledger.aclose()
@@ -105,8 +106,8 @@ async def test_a_redis_stall_longer_than_the_lease_ttl_reaps_only_the_leases_nob
     it, while the lease of a worker that died before the stall is reaped within one lease TTL of
     Redis serving again."""
     clock = Clock()
-    options = {"lease_ttl": 30.0, "clock": clock}  # heartbeat 10 s: the test moves the clock itself
-    holder, asker, dead = (RedisLedger(own_redis_server.url, 100, namespace=namespace, **options) for _ in range(3))  # type: ignore[arg-type]
+    kind = clocked(clock)  # heartbeat 10 s: the test moves the clock itself
+    holder, asker, dead = (kind(own_redis_server.url, 100, namespace=namespace, lease_ttl=30.0) for _ in range(3))
     held = await holder.reserve(60)
     await dead.reserve(20)
     await asker.refresh_statistics()
@@ -165,12 +166,12 @@ async def test_local_fallback_admits_within_its_share_and_hands_over_on_recovery
     )  # fmt: skip
     own_redis_server.stop()
     local = await ledger.reserve(30)
-    assert not ledger.available
+    assert not ledger.available and ledger.availability == "local"  # /health: degraded
     assert ledger.statistics().capacity_bytes == 50  # the local share is what admits now
     with pytest.raises(LedgerUnavailable, match="local share"):
         await ledger.reserve(60)  # fits the shared budget, never the local share
     with pytest.raises(QueueTimeout):
-        await ledger.reserve(30, timeout=0.2)  # 30 + 30 > 50
+        await ledger.reserve(30, deadline=0.2)  # 30 + 30 > 50
     local_too = await ledger.reserve(20)
 
     own_redis_server.start()
@@ -203,7 +204,7 @@ async def test_local_fallback_divides_each_tenants_quota_as_it_divides_the_budge
     for worker in workers:
         assert not worker.available
         with pytest.raises(QueueTimeout):
-            await worker.reserve(1, tenant="capped", timeout=0.2)  # this worker's half of the quota is held
+            await worker.reserve(1, tenant="capped", deadline=0.2)  # this worker's half of the quota is held
         with pytest.raises(LedgerUnavailable, match="local share"):
             await worker.reserve(20, tenant="capped")  # within the quota, never within half of it
         quotas = {row.name: row.quota_bytes for row in worker.statistics().tenants}
@@ -252,7 +253,7 @@ async def test_the_timeout_bounds_a_queued_request_even_when_redis_is_slower(
     ledger = RedisLedger(own_redis_server.url, 100, namespace=namespace, lease_ttl=3.0, redis_timeout=10.0)
     holder = await ledger.reserve(100)
     begun = time.monotonic()
-    waiter = asyncio.ensure_future(ledger.reserve(10, timeout=1.0))
+    waiter = asyncio.ensure_future(ledger.reserve(10, deadline=1.0))
     await eventually(lambda: own_redis_server.ledger_state(namespace)["queued"] == 1)
     stalled = await stall(own_redis_server, 3.0)
     with pytest.raises(QueueTimeout):

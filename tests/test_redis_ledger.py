@@ -43,6 +43,7 @@ from gpu_asgi._ledger.redis.ledger import RedisLedger
 from . import _redis
 from ._backends import Backend, Clock, open_ledgers, start
 from ._redis import EMPTY, RedisServer, eventually, requires_redis_server
+from ._redis_clock import redis_ledger as clocked_ledger
 
 pytestmark = requires_redis_server
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
@@ -56,7 +57,7 @@ async def make_ledger(redis_server: RedisServer, namespace: str) -> AsyncIterato
     ledgers: list[RedisLedger] = []
 
     def make(capacity: int = 100, **options: object) -> RedisLedger:
-        ledger = RedisLedger(redis_server.url, capacity, namespace=namespace, **options)  # type: ignore[arg-type]
+        ledger = clocked_ledger(redis_server.url, capacity, namespace=namespace, **options)
         ledgers.append(ledger)
         return ledger
 
@@ -79,9 +80,30 @@ async def test_satisfies_the_budget_ledger_protocol(make_ledger: MakeLedger) -> 
     ledger = make_ledger({"cuda:0": 100, "cuda:1": 50})
     assert isinstance(ledger, BudgetLedger)
     assert ledger.devices == ("cuda:0", "cuda:1")
-    assert ledger.try_reserve(10) is None  # sync: never a network round trip, the caller awaits reserve()
     assert ledger.retry_after(10) == ledger.max_wait  # no release observed yet
     assert "namespace=" in repr(ledger)
+    assert ledger.availability == "available"
+    with pytest.warns(DeprecationWarning, match="reserve_if_free"):
+        assert ledger.try_reserve(10) is None  # sync: it cannot ask Redis (kept for one release)
+
+
+async def test_reserve_if_free_grants_what_fits_at_once_and_never_queues(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    """As the in-process ledger's: the reserve script's no-queue mode grants what fits while
+    nobody waits, and otherwise answers None without taking a ticket."""
+    ledger = make_ledger(100)
+    first = await ledger.reserve_if_free(60)
+    assert first is not None and first.device == "cuda:0" and first.nbytes == 60
+    assert await ledger.reserve_if_free(50) is None  # does not fit: nothing queued
+    assert redis_server.ledger_state(namespace) == {"reserved": 60, "leases": 1, "tickets": 0, "queued": 0}
+    waiter = start(ledger, 50)
+    await eventually(queued(redis_server, namespace, 1))
+    assert await ledger.reserve_if_free(10) is None  # fits in the 40 bytes free, but never ahead of a waiter
+    assert redis_server.ledger_state(namespace) == {"reserved": 60, "leases": 1, "tickets": 1, "queued": 1}
+    first.release()
+    (await asyncio.wait_for(waiter, 5)).release()
+    await eventually(lambda: redis_server.ledger_state(namespace)["reserved"] == 0)
 
 
 async def test_reserve_and_release_return_every_byte_to_redis(
@@ -274,7 +296,7 @@ async def test_a_waiter_that_times_out_leaves_the_shared_queue(
     holder_worker, waiter_worker = make_ledger(100), make_ledger(100)
     holder = await holder_worker.reserve(100)
     with pytest.raises(QueueTimeout) as caught:
-        await waiter_worker.reserve(10, timeout=0.3)
+        await waiter_worker.reserve(10, deadline=0.3)
     assert caught.value.status == 503
     await eventually(queued(redis_server, namespace, 0))
     holder.release()
@@ -433,12 +455,14 @@ async def test_a_wait_for_a_pooled_connection_is_not_redis_being_down(
     # One connection for the scripts (the other is the wake-up subscription's) and a short
     # timeout: most of a burst waits longer than redis_timeout for the connection. That is a
     # burst, not an outage: nobody may get ledger-unavailable while Redis answers.
-    ledger = RedisLedger(redis_server.url, 10_000, namespace=namespace, max_connections=2, redis_timeout=0.1)
+    # A max_wait far beyond the burst: on a loaded machine 600 calls through one connection take
+    # longer than the default, and a queue timeout is not what this test is about.
+    ledger = RedisLedger(
+        redis_server.url, 10_000, namespace=namespace, max_connections=2, redis_timeout=0.1, max_wait=600
+    )
     await ledger.refresh_statistics()
     try:
-        # A timeout far beyond the burst: on a loaded machine 600 calls through one connection take
-        # longer than max_wait, and a queue timeout is not what this test is about.
-        outcomes = await asyncio.gather(*(ledger.reserve(1, timeout=600) for _ in range(600)), return_exceptions=True)
+        outcomes = await asyncio.gather(*(ledger.reserve(1) for _ in range(600)), return_exceptions=True)
         assert [o for o in outcomes if not isinstance(o, Reservation)] == []
         assert ledger.available
         for reservation in outcomes:
@@ -500,7 +524,9 @@ async def refused(
         ledger, holder, waiters = await idle_tenant_behind_a_backlog(backend, **options)
         if snapshot == "fresh" and isinstance(ledger, RedisLedger):
             await ledger.refresh_statistics()
-        with pytest.raises(refusal) as caught:
+        # deadline=0.2 would be refused at once on the known drain rate (DeadlineUnmeetable): the
+        # deprecated timeout= still waits without the deadline rule, as it did.
+        with pytest.raises(refusal) as caught, pytest.warns(DeprecationWarning, match="deadline="):
             await asyncio.wait_for(ledger.reserve(20, tenant="d", timeout=0.2), 10)  # fail, never hang
         await backend.queued(ledger, 4)  # d's ticket, if it took one, is gone
         hint = ledger.retry_after(20, tenant="d") if isinstance(ledger, RedisLedger) else None
@@ -556,7 +582,7 @@ async def test_a_redis_failure_at_the_timeout_still_answers_queue_timeout(
     scripts["leave"] = fails_once  # type: ignore[assignment]
     begun = time.monotonic()
     with pytest.raises(QueueTimeout) as caught:
-        await asyncio.wait_for(ledger.reserve(10, timeout=0.2), 10)  # fail, never hang
+        await asyncio.wait_for(ledger.reserve(10, deadline=0.2), 10)  # fail, never hang
     assert time.monotonic() - begun < 2.5  # 0.2 s and TIMEOUT_STATE_WAIT, not the slow call's 3 s
     assert caught.value.retry_after is not None and 1 <= caught.value.retry_after <= 600
     assert scripts["leave"] is leave  # the failing call was made
@@ -609,15 +635,15 @@ async def test_a_timeout_shorter_than_a_round_trip_still_grants_what_fits_at_onc
     timeout bounds the wait in the queue after the first ask, never the first ask's round trip."""
     ledger = make_ledger(100)
     slow_reserve_script(ledger, 0.2)
-    granted = [await asyncio.wait_for(ledger.reserve(10, timeout=0.001), 10)]
-    # The middleware's call for x-request-timeout: 0.001 (the deadline flag takes the same first ask).
-    granted.append(await asyncio.wait_for(ledger.reserve(10, timeout=0.001, wait_limit=0.001), 10))
+    granted = [await asyncio.wait_for(ledger.reserve(10), 10)]
+    # The middleware's call for x-request-timeout: 0.001 (the deadline takes the same first ask).
+    granted.append(await asyncio.wait_for(ledger.reserve(10, deadline=0.001), 10))
     assert [reservation.nbytes for reservation in granted] == [10, 10]
     granted.append(await ledger.reserve(80))  # the budget is full now
     # One that must queue still times out, counted from when it joined the queue.
     begun = time.monotonic()
     with pytest.raises(QueueTimeout):
-        await asyncio.wait_for(ledger.reserve(10, timeout=0.05), 10)  # fail, never hang
+        await asyncio.wait_for(ledger.reserve(10, deadline=0.05), 10)  # fail, never hang (no drain rate yet)
     assert time.monotonic() - begun >= 0.2 + 0.05  # the slow first ask, then the whole timeout
     await eventually(queued(redis_server, namespace, 0))
     for reservation in granted:

@@ -248,7 +248,7 @@ class Batcher:
         if self.ledger is None or self.estimator is None:
             return 0
         stats = self.ledger.statistics()
-        if stats.waiting >= getattr(self.ledger, "max_queue", stats.waiting + 1):
+        if stats.waiting >= self.ledger.max_queue:
             return 0  # a full queue would refuse even a loan
         return max((d.free_bytes for d in stats.devices if d.name == self.loaded.device), default=0)
 
@@ -262,7 +262,7 @@ class Batcher:
             return None
         try:
             return await self.ledger.reserve(
-                nbytes, devices=(self.loaded.device,), priority=BORROW_PRIORITY, timeout=BORROW_TIMEOUT
+                nbytes, devices=(self.loaded.device,), priority=BORROW_PRIORITY, deadline=BORROW_TIMEOUT
             )
         except AdmissionRejected:
             return None

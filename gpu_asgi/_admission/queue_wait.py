@@ -44,16 +44,15 @@ async def reserve(
     pending: asyncio.Future[Message] | None = None
     try:
         devices = spec.devices if middleware.device_guard is None else trusted_devices(middleware, spec, nbytes, tenant)
-        reservation = middleware.ledger.try_reserve(nbytes, devices=devices, tenant=tenant)
+        reservation = await middleware.ledger.reserve_if_free(nbytes, devices=devices, tenant=tenant)
         if reservation is None:
             # The deadline decision is the ledger's, at the moment it finds the request must queue.
-            timeout = None if wait_limit is None else min(wait_limit, middleware._wait_cap)
             # Requests whose reserve() task has not run yet are not in the ledger's count: ours covers them.
             depth = max(middleware.ledger.statistics().waiting, middleware._queued)
             middleware._queued += 1
             started = time.perf_counter()
             reservation, pending = await wait(
-                middleware.ledger, nbytes, devices, spec.priority, receive, timeout, tenant, wait_limit
+                middleware.ledger, nbytes, devices, spec.priority, receive, wait_limit, tenant
             )
             if reservation is None:
                 outcome = otel.DISCONNECTED
@@ -122,18 +121,17 @@ async def wait(
     devices: tuple[str, ...] | None,
     priority: int,
     receive: Receive,
-    timeout: float | None = None,
+    deadline: float | None = None,
     tenant: str = DEFAULT_TENANT,
-    wait_limit: float | None = None,
 ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
-    """Queue for the bytes while listening for a disconnect (``wait_limit``: the ledger may
+    """Queue for the bytes while listening for a disconnect (``deadline``: the ledger may
     refuse at once, :class:`DeadlineUnmeetable`).
 
     Returns the reservation and the still-pending ``receive()`` (handed on to the endpoint so
     no message is lost), or ``(None, None)`` when the client disconnected first.
     """
     reserving = asyncio.ensure_future(
-        ledger.reserve(nbytes, devices=devices, priority=priority, timeout=timeout, tenant=tenant, wait_limit=wait_limit)
+        ledger.reserve(nbytes, devices=devices, priority=priority, tenant=tenant, deadline=deadline)
     )
     listening: asyncio.Future[Message] = asyncio.ensure_future(receive())
     try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import InvalidTenant
+from .._ledger.contract import BudgetLedger
 from .._ledger.tenants import DEFAULT_TENANT
 from .._types import Scope
 
@@ -138,11 +139,11 @@ def tenant_keys(value: TenantKey | Sequence[TenantKey] | None) -> tuple[TenantKe
     return keys
 
 
-def named_tenants(ledger: object, labels: Collection[str] | None) -> Collection[str]:
+def named_tenants(ledger: BudgetLedger | None, labels: Collection[str] | None) -> Collection[str]:
     """The tenants that metrics and spans name: ``labels``, else the ledger's configured tenants
     (fixed when the ledger was built, as its policies are). None may be named ``other``, the label
     every unnamed tenant is counted under (its series would silently mix with theirs)."""
-    labels = frozenset(getattr(ledger, "tenants", {}) if labels is None else labels)
+    labels = frozenset((() if ledger is None else ledger.tenants) if labels is None else labels)
     if OTHER_TENANT_LABEL in labels:
         raise ValueError(
             f"a tenant named {OTHER_TENANT_LABEL!r} would share its metrics label with every unnamed tenant: rename it"

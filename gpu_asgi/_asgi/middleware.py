@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -36,6 +35,7 @@ from .._errors import (
 from .._estimate.linear import Estimator, as_estimator
 from .._estimate.tokens import HeuristicTokenCounter, TokenCounter
 from .._ledger.contract import BudgetLedger
+from .._ledger.legacy import as_budget_ledger
 from .._observe import tracing as otel
 from .._types import ASGIApp, Receive, Scope, Send
 from .problems import send_problem
@@ -100,7 +100,7 @@ class GPUAdmissionMiddleware:
         if (thermal is not None or device_guard is not None) and sampler is None:
             raise ValueError("thermal and device_guard act on device readings: pass sampler=DeviceSampler(probe) too")
         self.app = app
-        self.ledger = ledger
+        self.ledger = as_budget_ledger(ledger)  # a ledger in an earlier release's shape is adapted
         self.estimator = as_estimator(estimator)
         self.token_counter: TokenCounter = HeuristicTokenCounter() if token_counter is None else token_counter
         self.max_body_bytes = max_body_bytes
@@ -120,7 +120,7 @@ class GPUAdmissionMiddleware:
         #: Where a request's tenant is read, tried in order (a route's own RouteSpec.tenant_key wins).
         self.tenant_key = tenant_keys(tenant_key)
         #: Tenants that spans and metrics name; any other is "other".
-        self._tenant_labels = named_tenants(ledger, tenant_labels)
+        self._tenant_labels = named_tenants(self.ledger, tenant_labels)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -233,5 +233,5 @@ class GPUAdmissionMiddleware:
 
     @property
     def _wait_cap(self) -> float:
-        """The ledger's ``max_wait`` (both ledgers have one; a ledger without it: no cap)."""
-        return getattr(self.ledger, "max_wait", math.inf)
+        """The ledger's ``max_wait``."""
+        return self.ledger.max_wait

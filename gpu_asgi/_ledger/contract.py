@@ -2,18 +2,18 @@
 
 The :class:`BudgetLedger` protocol, the :class:`Reservation` it hands out, the statistics
 snapshots it returns, the priority range and check, and the defaults both ledgers take. The
-in-process :class:`~gpu_asgi.Ledger` (``_ledger``) and the Redis one (``redis_ledger``) implement
-it; the middleware, health and metrics use only this. Named ``_ledger_contract`` rather than after
-one class because it holds the whole interface, and it sits beside ``_ledger`` and ``_ledger_url``.
+in-process :class:`~gpu_asgi.Ledger` (``memory``) and the Redis one (``redis.ledger``) implement
+it, and so may a user's own (docs/ledgers.md); the middleware, health and metrics use only this.
 It imports no ledger.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from .tenants import DEFAULT_TENANT, TenantPolicy, TenantStatistics
 
@@ -24,8 +24,13 @@ DEFAULT_MAX_BYPASS = 8
 #: Priorities are integers in this range in every ledger (the Redis ledger's queue scores need it).
 MIN_PRIORITY = -4095
 MAX_PRIORITY = 4095
-#: Timeouts at or above this many seconds (``inf`` included) mean "no timeout".
+#: Waits at or above this many seconds (``inf`` included) mean "no limit".
 MAX_TIMEOUT = 1e9
+
+#: ``BudgetLedger.availability``: deciding as configured; deciding from this process's share of
+#: the budget alone (a shared ledger's store is unreachable: ``/health`` says degraded); or
+#: refusing every request (``LedgerUnavailable``, 503).
+Availability = Literal["available", "local", "unavailable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +73,45 @@ class LedgerStatistics:
 
 @runtime_checkable
 class BudgetLedger(Protocol):
-    """What the middleware needs from a ledger: the in-process :class:`~gpu_asgi.Ledger` or a shared one.
+    """What the middleware, ``/health`` and metrics need from a ledger; every method means the
+    same in the in-process :class:`~gpu_asgi.Ledger`, the Redis ledger and a user's own.
 
-    Implementations hand out :class:`Reservation` objects and receive their bytes back through
-    ``_give_back``, called on the event loop exactly once per byte.
+    A ledger hands out :class:`Reservation` objects built with itself; a reservation returns its
+    bytes through :meth:`give_back`, exactly once per byte. Writing one: docs/ledgers.md.
     """
 
     @property
-    def devices(self) -> tuple[str, ...]: ...
+    def devices(self) -> tuple[str, ...]:
+        """The device names, in the ledger's order."""
+        ...
 
-    def try_reserve(
+    @property
+    def max_queue(self) -> int:
+        """The most requests that may wait at once; one more is refused (``QueueFull``)."""
+        ...
+
+    @property
+    def max_wait(self) -> float:
+        """The longest any request waits in the queue, in seconds."""
+        ...
+
+    @property
+    def tenants(self) -> Mapping[str, TenantPolicy]:
+        """The tenants named in advance (read-only); any other gets the default policy."""
+        ...
+
+    @property
+    def availability(self) -> Availability:
+        """Whether the ledger decides as configured now (``/health`` reads this)."""
+        ...
+
+    async def reserve_if_free(
         self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
-    ) -> Reservation | None: ...
+    ) -> Reservation | None:
+        """The bytes now if they fit and nobody waits (within the tenant's quota), else None; never
+        queues. Raises what :meth:`reserve` raises before it would queue (``NeverFits``,
+        ``OverTenantQuota``, ``ValueError``)."""
+        ...
 
     async def reserve(
         self,
@@ -87,18 +119,29 @@ class BudgetLedger(Protocol):
         *,
         devices: Sequence[str] | None = None,
         priority: int = 0,
-        timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
-        wait_limit: float | None = None,
-    ) -> Reservation: ...
+        deadline: float | None = None,
+    ) -> Reservation:
+        """The bytes, waiting in the queue if they do not fit yet.
 
-    def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float: ...
+        ``deadline``: the seconds this request waits at most (None: the ledger's ``max_wait``; a
+        longer one is cut to it). A request given one that cannot be granted at once, and whose
+        predicted wait is longer, is refused at once (``DeadlineUnmeetable``).
+        """
+        ...
+
+    def retry_after(self, nbytes: int = 0, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float:
+        """Seconds until such a request arriving now would likely be admitted (``Retry-After``)."""
+        ...
 
     def tenant_policy(self, tenant: str) -> TenantPolicy: ...
 
     def statistics(self) -> LedgerStatistics: ...
 
-    def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None: ...
+    def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        """Take back ``nbytes`` of ``reservation``'s bytes (its ``nbytes`` is already what it still
+        holds); ``finished`` when it was released. Called by the reservation, from any thread."""
+        ...
 
 
 #: Makes a reservation's read-and-update of what it holds one step. ``shrink``/``release`` may run
@@ -112,7 +155,7 @@ class Reservation:
     """Bytes held on one device. Release is idempotent; the bytes return exactly once, from any
     thread."""
 
-    __slots__ = ("_held", "_ledger", "_released", "device", "id", "requested_bytes", "tenant", "waited")
+    __slots__ = ("_give_back", "_held", "_released", "device", "id", "requested_bytes", "tenant", "waited")
 
     def __init__(
         self, ledger: BudgetLedger, id: str, device: str, nbytes: int, waited: float, tenant: str = DEFAULT_TENANT
@@ -125,7 +168,7 @@ class Reservation:
         self.waited = waited
         self._held = nbytes
         self._released = False
-        self._ledger = ledger
+        self._give_back = _returner(ledger)
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +187,7 @@ class Reservation:
             returned = max(0, self._held - nbytes)  # zero once released, since nothing is held then
             self._held -= returned
         if returned:
-            self._ledger._give_back(self, returned, finished=False)
+            self._give_back(self, returned, finished=False)
         return returned
 
     def release(self) -> int:
@@ -154,7 +197,7 @@ class Reservation:
                 return 0
             self._released = True
             returned, self._held = self._held, 0
-        self._ledger._give_back(self, returned, finished=True)
+        self._give_back(self, returned, finished=True)
         return returned
 
     def __enter__(self) -> Reservation:
@@ -173,3 +216,25 @@ def check_priority(priority: int) -> int:
     if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValueError(f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY}, got {priority!r}")
     return priority
+
+
+def _returner(ledger: BudgetLedger) -> Callable[..., None]:
+    """``ledger.give_back``; for a ledger written before it was public, its ``_give_back`` (the same
+    call: the bytes returned), with a ``DeprecationWarning`` once per ledger class."""
+    try:
+        return ledger.give_back
+    except AttributeError:
+        legacy: Callable[..., None] = getattr(ledger, "_give_back")  # noqa: B009 (the old protocol's name)
+        kind = type(ledger)
+        if kind not in _WARNED:
+            _WARNED.add(kind)
+            warnings.warn(
+                f"{kind.__qualname__} implements BudgetLedger._give_back; rename it give_back (same arguments): "
+                "the private name stops working in the next release",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        return legacy
+
+
+_WARNED: set[type] = set()

@@ -9,7 +9,7 @@ grow by ``RATE_WINDOW * (1 - d)``: the exact continuous average of busy time. Ad
 ``[t0, t2]`` in one step or at any instants in between gives the same numbers, so the rate at an
 instant depends only on the history of releases and busy time, never on how often a ledger
 happened to look. Both ledgers read it as of the instant asked (``rate_at``); the Redis ledger
-computes the same in Lua (``_redis_lua``).
+computes the same in Lua (``redis/lua/prelude.lua``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ with the lowest ``vt`` first. A tenant that starts waiting is lifted so that it 
 over the tenants it was measured against when its last waiter left (the lowest and the highest of
 the others then) than it had; it keeps its standing, but time without waiters banks no credit. This
 module keeps the accounts; the decision itself is the ledger's (docs/admission.md, "Tenants and
-fair share"). The Redis ledger keeps the same accounts in Lua (``_redis_lua``) with the same
+fair share"). The Redis ledger keeps the same accounts in Lua (``redis/lua/prelude.lua``) with the same
 arithmetic in the same order, so both backends compute the same floats.
 """
 
@@ -60,7 +60,7 @@ class Standing:
     lead: Lead = NO_LEAD
     #: Bytes admitted per second while it had a waiter (``Account.admissions``); 0 while unknown.
     rate: float = 0.0
-    #: Bytes it holds (its quota's share in use: ``_prediction.quota_wait``).
+    #: Bytes it holds (its quota's share in use: ``forecast.quota_wait``).
     held: int = 0
 
 
@@ -186,7 +186,7 @@ class FairShare:
     """
 
     def __init__(self, policies: Mapping[str, TenantPolicy], default: TenantPolicy, idle_ttl: float) -> None:
-        self.policies = policies  # checked by the ledger (_tenancy.check_tenant_options)
+        self.policies = policies  # checked by the ledger (tenants.check_tenant_options)
         self.default = default
         self.idle_ttl = idle_ttl
         self.accounts: dict[str, Account] = {}

@@ -1,14 +1,44 @@
-"""``Retry-After``'s model, the same for both ledgers: which queued bytes go before a request
-arriving now, and how long until it would be admitted: until the device has room and, for a
-tenant with a quota, its own bytes have made room under it (docs/admission.md, "Retry-After"
-and "Retry-After with a quota")."""
+"""How long until a request is admitted, the same for both ledgers: which queued bytes go before a
+request arriving now, how long until it would be admitted (until the device has room and, for a
+tenant with a quota, its own bytes have made room under it: ``Retry-After``), and the deadline
+rule that refuses a request predicted to wait longer than its client will (docs/admission.md,
+"Retry-After", "Retry-After with a quota" and "Deadlines").
+
+Imports run one way: this module uses ``fair_share`` (``Standing``, ``lanes_ahead``) and
+``drain`` (the rate and its clamp); neither imports it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from .drain import retry_after
+from .._errors import DeadlineUnmeetable
+from .drain import MIN_RETRY_AFTER, retry_after
 from .fair_share import Standing, lanes_ahead
+
+
+def unmeetable(deadline: float, release_rate: float, predict: Callable[[], float]) -> DeadlineUnmeetable | None:
+    """The refusal (for the ledger to raise) of a request that waits at most ``deadline`` seconds
+    and is predicted (``predict()``: its ``Retry-After`` now) to wait longer; else None.
+
+    A ledger calls this at the moment it finds that a request cannot be granted at once, before
+    the request joins the queue, with that moment's state: the in-process ledger from its own
+    state, the Redis ledger from a snapshot the reserve script returns in the same atomic step.
+    The prediction is :func:`predicted_wait`, so a refused client is told when to come back by the
+    same numbers that refused it. Only a prediction from an observed drain rate
+    (``release_rate`` > 0) refuses: before any release the hint is the ``max_wait`` fallback,
+    which says nothing about this wait. A prediction at the 1 s floor cannot be told from a
+    shorter wait, so it never refuses either.
+    """
+    if release_rate > 0:
+        predicted = predict()
+        if predicted > deadline and predicted > MIN_RETRY_AFTER:
+            return DeadlineUnmeetable(
+                f"The predicted wait for GPU memory is {predicted:.3g} s; this request waits at most {deadline:g} s.",
+                retry_after=predicted,
+                predicted_wait_seconds=round(predicted, 3),
+            )
+    return None
 
 
 def bytes_ahead(lanes: Iterable[tuple[int, int, int, int]], nbytes: int, priority: int, max_bypass: int) -> float:

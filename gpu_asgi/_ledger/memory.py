@@ -2,14 +2,15 @@
 
 The decision rule (docs/admission.md, "The ledger") in short: waiters queue in lanes, one per
 (tenant, priority, size class, allowed devices), each strictly FIFO; only lane heads are looked
-at, by their tenant's virtual time (``_fair_share``), then priority, then arrival. A head that
+at, by their tenant's virtual time (``fair_share``), then priority, then arrival. A head that
 fits (within its tenant's quota) is admitted; one admitted while a head ahead of it (lower virtual
 time, or the same and an earlier arrival) could use the same device counts as passing that head,
 and a head passed ``max_bypass`` times keeps its devices from every head behind it until it fits.
 With one tenant this is plain priority-then-arrival order. The Redis ledger runs the same rule in
 Lua. All state is touched only from the event loop that uses the ledger, so check-and-reserve is
 atomic without locks; releases from other threads are handed to that loop. The contract it
-implements (``BudgetLedger``, ``Reservation``, the statistics) is in ``_ledger_contract``.
+implements (``BudgetLedger``, ``Reservation``, the statistics) is in ``contract``; the options,
+checks and refusals it shares with the Redis ledger in ``common``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from .._errors import NeverFits, OverTenantQuota, QueueFull, QueueTimeout
+from .._errors import QueueFull, QueueTimeout
+from .common import LedgerBase
 from .contract import (
-    DEFAULT_DEVICE,
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_WAIT,
@@ -33,19 +34,16 @@ from .contract import (
     Reservation,
     check_priority,
 )
-from .deadline import unmeetable
 from .drain import DrainRate
 from .fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare
 from .forecast import predicted_wait, size_class
-from .tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
+from .tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 
 
 class _Device:
     __slots__ = ("capacity", "in_flight", "index", "name", "reserved")
 
     def __init__(self, index: int, name: str, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"device {name!r} needs a positive byte capacity, got {capacity}")
         self.index = index
         self.name = name
         self.capacity = capacity
@@ -79,7 +77,7 @@ class _Waiter:
         self.since = since
 
 
-class Ledger:
+class Ledger(LedgerBase):
     """Byte budgets for one or more devices, shared by every request of this process.
 
     ``capacity`` is the budget in bytes for a single device (named ``"cuda:0"``) or a mapping
@@ -102,21 +100,17 @@ class Ledger:
         tenant_idle_ttl: float = DEFAULT_TENANT_IDLE_TTL,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        capacities = {DEFAULT_DEVICE: capacity} if isinstance(capacity, int) else dict(capacity)
-        if not capacities:
-            raise ValueError("a ledger needs at least one device")
-        if max_bypass < 0 or max_queue < 0:
-            raise ValueError("max_bypass and max_queue must be >= 0")
-        check_tenant_options(tenants, default_tenant_policy, tenant_idle_ttl)
-        self._devices = {name: _Device(i, name, nbytes) for i, (name, nbytes) in enumerate(capacities.items())}
+        super().__init__(
+            capacity,
+            max_queue=max_queue,
+            max_wait=max_wait,
+            max_bypass=max_bypass,
+            tenants=tenants,
+            default_tenant_policy=default_tenant_policy,
+            tenant_idle_ttl=tenant_idle_ttl,
+        )
+        self._devices = {name: _Device(i, name, nbytes) for i, (name, nbytes) in enumerate(self._capacities.items())}
         self._all = tuple(self._devices.values())
-        self._largest = max(device.capacity for device in self._all)
-        self.max_queue = max_queue
-        self.max_wait = max_wait
-        self.max_bypass = max_bypass
-        #: Weights and quotas of the tenants named in advance; any other tenant gets the default.
-        #: Read-only, fixed when the ledger is built (``fixed_policies``).
-        self.tenants = fixed_policies(tenants)
         self._fair = FairShare(self.tenants, default_tenant_policy, tenant_idle_ttl)
         self._clock = clock
         #: lane key -> seq -> waiter, FIFO. Only lane heads are ever examined.
@@ -136,31 +130,22 @@ class Ledger:
         budgets = ", ".join(f"{d.name}={d.capacity}" for d in self._all)
         return f"Ledger({budgets}, max_queue={self.max_queue}, max_wait={self.max_wait}, max_bypass={self.max_bypass})"
 
-    @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(self._devices)
-
-    def capacity(self, device: str = DEFAULT_DEVICE) -> int:
-        return self._devices[device].capacity
-
-    def tenant_policy(self, tenant: str) -> TenantPolicy:
-        return self._fair.policy(tenant)
-
-    @property
-    def default_tenant_policy(self) -> TenantPolicy:
-        """The policy of every tenant not in ``tenants``; fixed, as those are."""
-        return self._fair.default
-
-    @property
-    def tenant_idle_ttl(self) -> float:
-        return self._fair.idle_ttl
-
     # -- admission ----------------------------------------------------------------------
+
+    async def reserve_if_free(
+        self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Reservation | None:
+        """:meth:`try_reserve`, as the protocol's coroutine (the Redis ledger's needs a round trip)."""
+        return self.try_reserve(nbytes, devices=devices, tenant=tenant)
 
     def try_reserve(
         self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
     ) -> Reservation | None:
-        """Reserve at once if nobody is queued and the bytes fit, within the tenant's quota; never waits or queues."""
+        """Reserve at once if nobody is queued and the bytes fit, within the tenant's quota; never waits or queues.
+
+        This ledger's own synchronous form of :meth:`reserve_if_free` (no other ledger can answer
+        without awaiting).
+        """
         allowed = self._allowed(devices, nbytes)
         fits = self._fits_quota(tenant, nbytes)
         if self._waiting or not fits:
@@ -175,22 +160,34 @@ class Ledger:
         *,
         devices: Sequence[str] | None = None,
         priority: int = 0,
-        timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        deadline: float | None = None,
+        timeout: float | None = None,
         wait_limit: float | None = None,
     ) -> Reservation:
         """Reserve ``nbytes`` for ``tenant`` on one of ``devices``, waiting in the queue if they do not fit yet.
 
         Raises :class:`NeverFits` at once when no allowed device could ever hold the bytes,
         :class:`OverTenantQuota` when the tenant's quota could never hold them, :class:`QueueFull`
-        when the queue is at ``max_queue``, and :class:`QueueTimeout` after ``timeout`` (default
-        ``max_wait``) seconds; ``ValueError`` for a priority outside ``MIN_PRIORITY..MAX_PRIORITY``. Cancelling the caller leaves the queue cleanly, and bytes
+        when the queue is at ``max_queue``, and :class:`QueueTimeout` after ``deadline`` seconds
+        (cut to ``max_wait``; None: ``max_wait``); ``ValueError`` for a priority outside
+        ``MIN_PRIORITY..MAX_PRIORITY``. Cancelling the caller leaves the queue cleanly, and bytes
         granted in the same instant are passed on, never leaked.
 
-        ``wait_limit``: the seconds the client waits at most. When the request cannot be granted
-        at once and its predicted wait (:meth:`retry_after`, now, before it joins) is longer,
-        :class:`DeadlineUnmeetable` at once, before any queue check (docs/admission.md, "Deadlines").
+        With a ``deadline``, a request that cannot be granted at once and whose predicted wait
+        (:meth:`retry_after`, now, before it joins) is longer gets :class:`DeadlineUnmeetable` at
+        once, before any queue check (docs/admission.md, "Deadlines"). ``timeout`` and
+        ``wait_limit`` are deprecated (``LedgerBase._wait_bounds``).
         """
+        limit, wait = self._wait_bounds(deadline, timeout, wait_limit)
+        return await self._reserve(nbytes, devices, priority, tenant, limit, wait)
+
+    async def _reserve(
+        self, nbytes: int, devices: Sequence[str] | None, priority: int, tenant: str, limit: float | None, wait: float
+    ) -> Reservation:
+        """:meth:`reserve` with its bounds resolved: the deadline rule decides on ``limit`` (None:
+        no rule), and the request waits ``wait`` seconds at most. The Redis ledger's local fallback
+        calls this with what is left of a request's wait."""
         check_priority(priority)
         allowed = self._allowed(devices, nbytes)
         fits = self._fits_quota(tenant, nbytes)
@@ -200,13 +197,9 @@ class Ledger:
             device = _place(nbytes, allowed)
             if device is not None:
                 return self._grant(device, nbytes, 0.0, tenant, now)
-        if wait_limit is not None:
-            refusal = unmeetable(
-                wait_limit, self.release_rate(), lambda: self.retry_after(nbytes, priority=priority, tenant=tenant)
-            )
-            if refusal is not None:
-                self._count_rejection(refusal.reason)
-                raise refusal
+        self._refuse_unmeetable(
+            limit, self.release_rate(), lambda: self.retry_after(nbytes, priority=priority, tenant=tenant)
+        )
         if self._waiting >= self.max_queue:
             self._count_rejection(QueueFull.reason)
             raise QueueFull(
@@ -230,7 +223,6 @@ class Ledger:
         self._dispatch()
         if waiter.future.done():
             return waiter.future.result()
-        wait = self.max_wait if timeout is None else timeout
         try:
             async with asyncio.timeout(wait if wait < MAX_TIMEOUT else None):
                 return await waiter.future
@@ -264,37 +256,14 @@ class Ledger:
         self._loop, self._thread = loop, threading.get_ident()
 
     def _allowed(self, devices: Sequence[str] | None, nbytes: int) -> tuple[_Device, ...]:
-        if nbytes < 0:
-            raise ValueError("nbytes must be >= 0")
-        if devices is None:
-            if nbytes <= self._largest:  # the common case, without a generator per request
-                return self._all
-            allowed = self._all
-        else:
-            try:
-                chosen = {self._devices[name].index for name in devices}
-            except KeyError as exc:
-                raise ValueError(f"unknown device {exc.args[0]!r}; the ledger has {self.devices}") from None
-            if not chosen:
-                raise ValueError(f"no device given; the ledger has {self.devices}")
-            allowed = tuple(d for d in self._all if d.index in chosen)  # the ledger's order, always
-        largest = max(device.capacity for device in allowed)
-        if nbytes > largest:
-            self._count_rejection(NeverFits.reason)
-            raise NeverFits(
-                f"The request needs {nbytes} bytes of GPU memory; the largest budget is {largest} bytes.",
-                required_bytes=nbytes,
-                budget_bytes=largest,
-            )
-        return allowed
+        if devices is None and 0 <= nbytes <= self._largest:  # the common case: every device
+            return self._all
+        return tuple(self._devices[name] for name in self._choose(devices, nbytes))
 
     def _fits_quota(self, tenant: str, nbytes: int) -> bool:
         """Whether ``tenant`` may hold ``nbytes`` more now; :class:`OverTenantQuota` (counted) if never."""
-        try:
-            return self._fair.fits(tenant, nbytes)
-        except OverTenantQuota:
-            self._count_rejection(OverTenantQuota.reason)
-            raise
+        self._check_quota(tenant, nbytes)
+        return self._fair.fits(tenant, nbytes)
 
     def _grant(self, device: _Device, nbytes: int, waited: float, tenant: str, now: float) -> Reservation:
         self._drain.advance(now, busy=True)
@@ -356,7 +325,8 @@ class Ledger:
         self._waiting_bytes -= waiter.nbytes
         self._fair.left(waiter.tenant, waiter.nbytes, self._clock(), admitted=admitted)
 
-    def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+    def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        """Take back ``nbytes`` of ``reservation`` (the bytes it just returned); see ``BudgetLedger``."""
         loop = self._loop
         if loop is not None and threading.get_ident() != self._thread and not loop.is_closed():
             # From a worker thread: the waiters live on the loop, so the loop hands the bytes on.

@@ -25,6 +25,7 @@ from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.probe import DeviceReading
 from .._device.sampler import DeviceSampler
 from .._ledger.contract import BudgetLedger
+from .._ledger.legacy import as_budget_ledger
 from .metrics import GPUMetrics
 
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
@@ -38,17 +39,17 @@ def health_report(
     device_guard: DeviceGuard | None = None,
 ) -> dict[str, Any]:
     """The ``/health`` body. Call it on the event loop (it reads the ledger)."""
+    ledger = as_budget_ledger(ledger)  # a ledger in an earlier release's shape is adapted
     stats = ledger.statistics()
     degraded: list[str] = []
     unavailable: list[str] = []
-    max_queue = getattr(ledger, "max_queue", None)
-    if max_queue is not None and stats.waiting >= max_queue:
+    if stats.waiting >= ledger.max_queue:
         unavailable.append(f"the admission queue is full ({stats.waiting} waiting)")
-    if getattr(ledger, "available", True) is False:  # the shared (Redis) ledger did not answer
-        if getattr(ledger, "on_unavailable", "fail-closed") == "local":
-            degraded.append("the shared ledger is unreachable: admitting from this process's local share")
-        else:
-            unavailable.append("the shared ledger is unreachable and admission fails closed (ledger-unavailable)")
+    availability = ledger.availability
+    if availability == "local":  # the shared (Redis) ledger did not answer
+        degraded.append("the shared ledger is unreachable: admitting from this process's local share")
+    elif availability == "unavailable":
+        unavailable.append("the shared ledger is unreachable and admission fails closed (ledger-unavailable)")
     snapshot = sampler.snapshot if sampler is not None else None
     probe: dict[str, Any] | None = None
     if snapshot is not None and sampler is not None:
@@ -137,6 +138,7 @@ def health_router(
     (``app.router.routes.extend(health_router(...).routes)``). Pass the same ledger, sampler,
     thermal policy and guard as to the middleware.
     """
+    ledger = as_budget_ledger(ledger)
 
     async def health(request: Request) -> Response:
         if sampler is not None:

@@ -18,6 +18,7 @@ from typing import Any
 from .._admission.tenant_keys import OTHER_TENANT_LABEL, named_tenants, tenant_label
 from .._device.sampler import DeviceSampler
 from .._ledger.contract import BudgetLedger, LedgerStatistics
+from .._ledger.legacy import as_budget_ledger
 from .._ledger.tenants import DEFAULT_TENANT
 from .tracing import ADMITTED
 
@@ -96,10 +97,10 @@ class GPUMetrics:
         tenant_labels: Collection[str] | None = None,
     ) -> None:
         prom = _prometheus()
-        self.ledger = ledger
+        self.ledger = None if ledger is None else as_budget_ledger(ledger)  # an earlier release's shape: adapted
         #: Tenants the per-tenant gauges name; any other is summed into "other". Default: the
         #: ledger's configured tenants (as the middleware's ``tenant_labels``).
-        self.tenant_labels = named_tenants(ledger, tenant_labels)
+        self.tenant_labels = named_tenants(self.ledger, tenant_labels)
         self.sampler = sampler
         self.namespace = namespace
         self.multiprocess = multiprocess_enabled() if multiprocess is None else multiprocess

@@ -324,23 +324,13 @@ def predicted_waits(ledger: BudgetLedger) -> dict[asyncio.Task[Any] | None, floa
     which ``retry_after`` reads just as well; the Redis ledger on a snapshot its reserve script
     returns, which only the decision sees, so a spy on that decision reads it."""
     predictions: dict[asyncio.Task[Any] | None, float] = {}
-    decide = getattr(ledger, "_unmeetable", None)
-    if decide is None:
-        retry_after = ledger.retry_after
+    decide = ledger._refuse_unmeetable  # type: ignore[attr-defined]  # both ledgers' one decision (_ledger.common)
 
-        def in_process(nbytes: int, *, priority: int = 0, tenant: str = DEFAULT_TENANT) -> float:
-            predictions[asyncio.current_task()] = predicted = retry_after(nbytes, priority=priority, tenant=tenant)
-            return predicted
+    def spy(limit: float | None, release_rate: float, predict: Callable[[], float]) -> None:
+        predictions[asyncio.current_task()] = predict()  # the prediction it decides on (the quota included)
+        decide(limit, release_rate, predict)
 
-        ledger.retry_after = in_process  # type: ignore[method-assign,assignment]
-        return predictions
-
-    def spy(beat: Any, nbytes: int, priority: int, tenant: str, wait_limit: float | None) -> Any:
-        # The prediction the decision makes from that state (the tenant's quota included).
-        predictions[asyncio.current_task()] = ledger._retry_after(beat, nbytes, priority, tenant)  # type: ignore[attr-defined]
-        return decide(beat, nbytes, priority, tenant, wait_limit)
-
-    ledger._unmeetable = spy  # type: ignore[attr-defined]
+    ledger._refuse_unmeetable = spy  # type: ignore[attr-defined]
     return predictions
 
 

@@ -4,13 +4,13 @@
 only its own requests, so together they over-commit the GPU. :class:`RedisLedger` keeps the same
 interface and semantics with one budget per device across all of them:
 
-- reserve and release are atomic Lua scripts on the server (``_redis_lua``) that apply the
+- reserve and release are atomic Lua scripts on the server (``lua/*.lua``) that apply the
   in-process ledger's decision rule to one global queue, so no worker's waiters starve another's;
   a script looks only at lane heads, so its cost does not grow with the number of waiters;
 - waiters are woken by pub/sub, with a slow poll as the fallback;
-- each reservation is a lease renewed by a heartbeat (``_redis_upkeep``): a crashed worker's
+- each reservation is a lease renewed by a heartbeat (``upkeep``): a crashed worker's
   bytes come back within ``lease_ttl``; a spell in which Redis ran no script (stalled, cut off)
-  ages leases one heartbeat only, since nobody could renew them (``_redis_lua``, the lease
+  ages leases one heartbeat only, since nobody could renew them (``lua``, the lease
   clock); leases Redis lost while still held are put back;
 - Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
   connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger
@@ -26,28 +26,29 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Literal, Self, TypeVar
+import warnings
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import ClassVar, Literal, Self, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from ..._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
+from ..common import LedgerBase
 from ..contract import (
-    DEFAULT_DEVICE,
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_WAIT,
     MAX_TIMEOUT,
+    Availability,
     LedgerStatistics,
     Reservation,
     check_priority,
 )
-from ..deadline import unmeetable
-from ..fair_share import DEFAULT_TENANT_IDLE_TTL, check_quota
+from ..fair_share import DEFAULT_TENANT_IDLE_TTL
 from ..memory import Ledger
-from ..tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, check_tenant_options, fixed_policies
+from ..tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 from .scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
 from .upkeep import RETRIES, Upkeep, cancels
 
@@ -72,7 +73,7 @@ TIMEOUT_STATE_WAIT = 0.1
 SLOW = ("waiting", "")
 
 
-class RedisLedger:
+class RedisLedger(LedgerBase):
     """Byte budgets shared through Redis by every process that uses the same ``namespace``.
 
     ``redis`` is a URL (``redis://host:6379/0``, ``rediss://``, ``unix://``) or a
@@ -84,9 +85,12 @@ class RedisLedger:
 
     ``tenants``, ``default_tenant_policy`` and ``tenant_idle_ttl`` as the in-process ledger's:
     every process sharing the namespace must configure the same tenants (the weights and quotas
-    travel with each call, so processes that disagree decide by different rules). ``clock`` is for
-    tests: seconds used instead of the Redis server's ``TIME``.
+    travel with each call, so processes that disagree decide by different rules). Time is the
+    Redis server's ``TIME``.
     """
+
+    #: The scripts' caller; a test may give a subclass a variant (tests/_redis.py: a fake clock).
+    scripts_type: ClassVar[type[LedgerScripts]] = LedgerScripts
 
     def __init__(
         self,
@@ -108,17 +112,22 @@ class RedisLedger:
         tenants: Mapping[str, TenantPolicy] | None = None,
         default_tenant_policy: TenantPolicy = DEFAULT_POLICY,
         tenant_idle_ttl: float = DEFAULT_TENANT_IDLE_TTL,
-        clock: Callable[[], float] | None = None,
     ) -> None:
-        capacities = {DEFAULT_DEVICE: capacity} if isinstance(capacity, int) else dict(capacity)
-        if not capacities or min(capacities.values()) <= 0:
-            raise ValueError("a ledger needs at least one device, each with a positive byte capacity")
+        super().__init__(
+            capacity,
+            max_queue=max_queue,
+            max_wait=max_wait,
+            max_bypass=max_bypass,
+            tenants=tenants,
+            default_tenant_policy=default_tenant_policy,
+            tenant_idle_ttl=tenant_idle_ttl,
+        )
+        capacities = self._capacities
         heartbeat = lease_ttl / 3 if heartbeat is None else heartbeat
         if not 0 < heartbeat < lease_ttl:
             raise ValueError(
                 "heartbeat must be positive and shorter than lease_ttl (a third leaves two beats of slack)"
             )
-        check_tenant_options(tenants, default_tenant_policy, tenant_idle_ttl)
         if max_connections < 2:
             raise ValueError("max_connections must be at least 2: the wake-up subscription holds one")
         if on_unavailable not in ("fail-closed", "local"):
@@ -128,21 +137,13 @@ class RedisLedger:
                 "on_unavailable='local' needs local_share in (0, 1]: the part of each budget one process may "
                 "use alone, at most 1 / the number of processes sharing the GPU"
             )
-        self._capacities = capacities
         self.namespace = namespace
         self.lease_ttl = lease_ttl
         self.heartbeat = heartbeat
-        self.max_queue = max_queue
-        self.max_wait = max_wait
-        self.max_bypass = max_bypass
         self.poll_interval = min(poll_interval, heartbeat)  # waiters also keep their tickets alive
         self.redis_timeout = redis_timeout
         self.on_unavailable = on_unavailable
         self.local_share = local_share
-        #: As the in-process ledger's: every process sharing the namespace must name the same tenants.
-        self.tenants = fixed_policies(tenants)
-        self._default_tenant_policy = default_tenant_policy
-        self.tenant_idle_ttl = tenant_idle_ttl
         self._owns_client = isinstance(redis, str)
         if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
             # A call waits for a free connection as long as its own timeout allows (timeout=None
@@ -157,7 +158,7 @@ class RedisLedger:
             )
             redis = Redis.from_pool(pool)  # the client owns the pool and closes it
         self._client = redis
-        self._scripts = LedgerScripts(
+        self._scripts = self.scripts_type(
             redis,
             namespace,
             capacities,
@@ -169,7 +170,6 @@ class RedisLedger:
             tenants=self.tenants,
             default_tenant_policy=default_tenant_policy,
             tenant_idle_ttl=tenant_idle_ttl,
-            clock=clock,
         )
         # The probe's own connection: a busy pool never makes Redis look down.
         base = redis.connection_pool
@@ -204,32 +204,61 @@ class RedisLedger:
         )
 
     @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(self._capacities)
-
-    def capacity(self, device: str = DEFAULT_DEVICE) -> int:
-        return self._capacities[device]
-
-    @property
     def available(self) -> bool:
         """False from a failed Redis call until the next one that succeeds."""
         return self._upkeep.down is None
 
-    # -- admission ----------------------------------------------------------------------
-
-    def tenant_policy(self, tenant: str) -> TenantPolicy:
-        return self.tenants.get(tenant, self.default_tenant_policy)
-
     @property
-    def default_tenant_policy(self) -> TenantPolicy:
-        """Fixed, as ``tenants`` are: the scripts were given it once."""
-        return self._default_tenant_policy
+    def availability(self) -> Availability:
+        """``"available"`` while Redis answers; else ``"local"`` (``on_unavailable="local"``) or
+        ``"unavailable"`` (fail-closed), from a failed call until the next one that succeeds."""
+        if self._upkeep.down is None:
+            return "available"
+        return "local" if self._local is not None else "unavailable"
+
+    # -- admission ----------------------------------------------------------------------
 
     def try_reserve(
         self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
     ) -> Reservation | None:
-        """Always None: reserving needs a round trip to Redis, so callers ``await reserve()``."""
+        """Deprecated: always None (a synchronous call cannot ask Redis); ``await reserve_if_free()``."""
+        warnings.warn(
+            "RedisLedger.try_reserve() always answers None; await reserve_if_free(), which asks Redis",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return None
+
+    async def reserve_if_free(
+        self, nbytes: int, *, devices: Sequence[str] | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Reservation | None:
+        """The bytes now if they fit in the shared budget and nobody waits, within the tenant's
+        quota; else None, and nothing queued: one call of the reserve script in its no-queue mode.
+
+        None too while Redis is unavailable, or when the call was only slow (any lease it may
+        have been granted is given back): :meth:`reserve` then decides, with its fallback.
+        """
+        names = self._choose(devices, nbytes)
+        self._check_quota(tenant, nbytes)
+        upkeep = self._upkeep
+        upkeep.start()
+        if upkeep.skipping():
+            return None
+        rid, settled = upkeep.new_id(), False
+        try:
+            state, device = await self._scripts.reserve(rid, nbytes, names, 0, tenant, "try")
+            settled = True
+        except RedisDown as exc:
+            if not isinstance(exc, RedisSlow):
+                upkeep.went_down(exc)
+            return None
+        finally:
+            if not settled:  # it may have landed: give back what it may have granted
+                upkeep.leave(rid, "")
+        upkeep.came_up()
+        if state != "granted":
+            return None
+        return self._hold(Reservation(self, rid, device, nbytes, 0.0, tenant))
 
     async def reserve(
         self,
@@ -237,46 +266,43 @@ class RedisLedger:
         *,
         devices: Sequence[str] | None = None,
         priority: int = 0,
-        timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        deadline: float | None = None,
+        timeout: float | None = None,
         wait_limit: float | None = None,
     ) -> Reservation:
         """Reserve ``nbytes`` for ``tenant`` on one of ``devices`` from the shared budget, queueing if needed.
 
         As :meth:`Ledger.reserve <gpu_asgi.Ledger.reserve>`, plus :class:`~gpu_asgi.LedgerUnavailable`
         when Redis fails and ``on_unavailable`` is ``"fail-closed"``. As in-process, a request that
-        fits now is granted and ``timeout`` (default ``max_wait``) bounds the wait in the queue: the
-        first ask, which grants at once what fits, is not cut short by it (its one call, two with
-        ``wait_limit``, each bounded by ``redis_timeout``, and a slow one by as long again for the
-        probe's ``PING``). Once the request has joined the queue it never waits past ``timeout`` by
-        more than ``TIMEOUT_STATE_WAIT`` (0.1 s, to read the state its ``Retry-After`` is computed
-        from), whatever Redis does. With ``wait_limit``, a request that cannot be granted at once is
-        decided on the shared state of that moment, which the reserve script returns instead of
-        queueing it; one more call then queues it (or grants it, if bytes came free).
+        fits now is granted and the wait (``deadline``, cut to ``max_wait``) bounds the wait in the
+        queue: the first ask, which grants at once what fits, is not cut short by it (its one call,
+        two with a ``deadline``, each bounded by ``redis_timeout``, and a slow one by as long again
+        for the probe's ``PING``). Once the request has joined the queue it never waits past that
+        by more than ``TIMEOUT_STATE_WAIT`` (0.1 s, to read the state its ``Retry-After`` is
+        computed from), whatever Redis does. With a ``deadline``, a request that cannot be granted
+        at once is decided on the shared state of that moment, which the reserve script returns
+        instead of queueing it; one more call then queues it (or grants it, if bytes came free).
         """
         check_priority(priority)
-        names = self._allowed(devices, nbytes)
-        try:
-            check_quota(self.tenant_policy(tenant), nbytes)
-        except OverTenantQuota:
-            self._count_rejection(OverTenantQuota.reason)
-            raise
+        limit, wait = self._wait_bounds(deadline, timeout, wait_limit)
+        names = self._choose(devices, nbytes)
+        self._check_quota(tenant, nbytes)
         upkeep = self._upkeep
         upkeep.start()
         loop = asyncio.get_running_loop()
-        wait = self.max_wait if timeout is None else timeout
         queue_wait, start, cancelled = min(wait, MAX_TIMEOUT), loop.time(), cancels()
         if upkeep.skipping():
             return await self._fallback(nbytes, names, priority, queue_wait, tenant)
         rid = upkeep.new_id()
         wake = upkeep.waiters[rid] = asyncio.Event()
         settled, reason = False, ""
-        deadline: float | None = None  # set once the first ask has answered
+        until: float | None = None  # the end of the wait, set once the first ask has answered
         try:
             # The first ask, outside the timeout: it grants what fits now, else joins the queue.
-            state, detail, limit = await self._join(rid, nbytes, names, priority, tenant, wait_limit)
-            deadline = loop.time() + queue_wait
-            async with asyncio.timeout_at(deadline):
+            state, detail, limit = await self._join(rid, nbytes, names, priority, tenant, limit)
+            until = loop.time() + queue_wait
+            async with asyncio.timeout_at(until):
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
                         raise asyncio.CancelledError
@@ -319,40 +345,31 @@ class RedisLedger:
                 upkeep.leave(rid, reason)
         # Redis failed: the local ledger's queue gets what is left of the wait (all of it, if the
         # request never joined Redis's queue).
-        remaining = queue_wait if deadline is None else max(0.0, deadline - loop.time())
+        remaining = queue_wait if until is None else max(0.0, until - loop.time())
         return await self._fallback(nbytes, names, priority, remaining, tenant)
 
     async def _join(
-        self, rid: str, nbytes: int, names: tuple[str, ...], priority: int, tenant: str, wait_limit: float | None
+        self, rid: str, nbytes: int, names: tuple[str, ...], priority: int, tenant: str, limit: float | None
     ) -> tuple[str, str, float | None]:
         """Ask the reserve script: ``(state, detail)`` granted or queued (or ``SLOW``'s waiting, for a
-        claim to find out), and the ``wait_limit`` still to be decided at a next join (None once it is).
+        claim to find out), and the deadline ``limit`` still to be decided at a next join (None once it is).
 
-        With ``wait_limit``, the deadline decision on the state the script returns when the request
+        With a ``limit``, the deadline decision on the state the script returns when the request
         cannot be granted at once, then one more call to queue it. Raises the refusals
         (:class:`~gpu_asgi.DeadlineUnmeetable`, :class:`~gpu_asgi.QueueFull`), which take no ticket.
         """
         scripts = self._scripts
-        answer = await self._ask(scripts.reserve(rid, nbytes, names, priority, tenant, wait=wait_limit is not None))
+        mode: Literal["queue", "wait"] = "queue" if limit is None else "wait"
+        answer = await self._ask(scripts.reserve(rid, nbytes, names, priority, tenant, mode))
         if answer == SLOW:  # it may not have landed: a join after the claim says "gone" decides the deadline
-            return *SLOW, wait_limit
+            return *SLOW, limit
         if isinstance(answer, Beat):  # it must queue: the deadline decision, on that moment's state
-            refusal = self._unmeetable(answer, nbytes, priority, tenant, wait_limit)
-            if refusal is not None:
-                self._count_rejection(refusal.reason)
-                raise refusal
+            beat = answer
+            self._refuse_unmeetable(limit, beat.release_rate, lambda: self._retry_after(beat, nbytes, priority, tenant))
             answer = await self._ask(scripts.reserve(rid, nbytes, names, priority, tenant))
         if isinstance(answer, Full):
             raise self._queue_full(answer, nbytes, priority, tenant)
         return *answer, None
-
-    def _unmeetable(
-        self, beat: Beat, nbytes: int, priority: int, tenant: str, wait_limit: float | None
-    ) -> DeadlineUnmeetable | None:
-        """The deadline rule (``_client_deadline``) on the state the reserve script just returned."""
-        if wait_limit is None:
-            return None
-        return unmeetable(wait_limit, beat.release_rate, lambda: self._retry_after(beat, nbytes, priority, tenant))
 
     def _queue_full(self, full: Full, nbytes: int, priority: int, tenant: str) -> QueueFull:
         """The refusal, its ``Retry-After`` from the state the reserve script refused it on."""
@@ -405,7 +422,7 @@ class RedisLedger:
                 retry_after=self.heartbeat,
             )
         try:
-            inner = await local.reserve(nbytes, devices=names, priority=priority, timeout=timeout, tenant=tenant)
+            inner = await local._reserve(nbytes, names, priority, tenant, None, timeout)  # the wait left, no new rule
         except NeverFits as exc:
             self._unavailable_total += 1
             raise LedgerUnavailable(
@@ -424,26 +441,6 @@ class RedisLedger:
         self._inner[rid] = inner
         return self._hold(Reservation(self, rid, inner.device, nbytes, inner.waited, tenant))
 
-    def _allowed(self, devices: Sequence[str] | None, nbytes: int) -> tuple[str, ...]:
-        if nbytes < 0:
-            raise ValueError("nbytes must be >= 0")
-        chosen = self.devices if devices is None else set(devices)
-        unknown = [name for name in chosen if name not in self._capacities]
-        if unknown:
-            raise ValueError(f"unknown device {unknown[0]!r}; the ledger has {self.devices}")
-        if not chosen:
-            raise ValueError(f"no device given; the ledger has {self.devices}")
-        names = tuple(name for name in self._capacities if name in chosen)  # the ledger's order, always
-        largest = max(self._capacities[name] for name in names)
-        if nbytes > largest:
-            self._count_rejection(NeverFits.reason)
-            raise NeverFits(
-                f"The request needs {nbytes} bytes of GPU memory; the largest budget is {largest} bytes.",
-                required_bytes=nbytes,
-                budget_bytes=largest,
-            )
-        return names
-
     def _count_rejection(self, reason: str) -> None:
         """A refusal decided before any call to Redis: counted here, added to Redis by the next heartbeat."""
         self._upkeep.tally.count(reason)
@@ -452,7 +449,9 @@ class RedisLedger:
         self._upkeep.held[reservation.id] = reservation
         return reservation
 
-    def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+    def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+        """Take back ``nbytes`` of ``reservation``: Redis is told what it keeps (its ``nbytes`` now),
+        an absolute amount, so releases that land late or out of order never give bytes back twice."""
         loop = self._upkeep.loop
         if loop is not None and threading.get_ident() != self._upkeep.thread and not loop.is_closed():
             # From a worker thread: the calls to Redis are the loop's, so hand them over at once.

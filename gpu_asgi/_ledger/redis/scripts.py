@@ -16,7 +16,7 @@ from ..contract import DeviceStatistics, LedgerStatistics
 from ..drain import MIN_BUSY_SPAN, RATE_WINDOW, drain_rate
 from ..fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing
 from ..forecast import predicted_wait
-from ..tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy, TenantStatistics
+from ..tenants import DEFAULT_POLICY, TenantPolicy, TenantStatistics
 from . import lua
 
 _KEYS = (
@@ -24,6 +24,9 @@ _KEYS = (
     "holder",
 )  # fmt: skip
 
+
+#: What the reserve script does with a request it cannot grant at once (see ``LedgerScripts.reserve``).
+ReserveMode = Literal["queue", "wait", "try"]
 
 #: Pause before asking an exhausted non-blocking connection pool again.
 POOL_RETRY_SECONDS = 0.002
@@ -68,7 +71,7 @@ class Beat:
 
     @property
     def release_rate(self) -> float:
-        """Bytes given back per busy second as of the snapshot's instant, by the in-process ledger's rule (``_drain``)."""
+        """Bytes given back per busy second as of the snapshot's instant, by the in-process ledger's rule (``drain``)."""
         return drain_rate(self.released_bytes, self.busy_seconds)
 
     def statistics(
@@ -133,6 +136,9 @@ class Full:
 class LedgerScripts:
     """The scripts bound to one namespace's keys; every call ends within ``timeout`` seconds."""
 
+    #: name -> script text (``lua.SCRIPTS``, the package's ``.lua`` files).
+    texts: Mapping[str, str] = lua.SCRIPTS
+
     def __init__(
         self,
         client: Redis,
@@ -147,7 +153,6 @@ class LedgerScripts:
         tenants: Mapping[str, TenantPolicy] | None = None,
         default_tenant_policy: TenantPolicy = DEFAULT_POLICY,
         tenant_idle_ttl: float = DEFAULT_TENANT_IDLE_TTL,
-        clock: Callable[[], float] | None = None,
     ) -> None:
         if "{" in namespace or "}" in namespace:
             raise ValueError("the namespace may not contain braces (they are Redis Cluster hash tags)")
@@ -156,9 +161,7 @@ class LedgerScripts:
         self.channel = f"{tag}:wake"
         self.timeout = timeout
         self.client = client
-        #: Tests only: seconds from this instead of the server's TIME (all processes must agree).
-        self.clock = clock
-        #: The dataset this process last saw (see _redis_lua: data loss); '' until the first heartbeat.
+        #: The dataset this process last saw (see lua.py: data loss); '' until the first heartbeat.
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
         config |= {"chan": self.channel, "window": RATE_WINDOW, "span": MIN_BUSY_SPAN}
@@ -168,15 +171,14 @@ class LedgerScripts:
             "tenants": {name: _policy(p) for name, p in (tenants or {}).items()},
             "default": _policy(default_tenant_policy),
             "idle": max(1, round(tenant_idle_ttl * 1000)),
-            "unnamed": DEFAULT_TENANT,
         }
         self._config = json.dumps(config)
         self._index = {name: i for i, name in enumerate(capacities)}
-        bodies = {"reserve": lua.RESERVE, "claim": lua.CLAIM, "leave": lua.LEAVE, "release": lua.RELEASE}
-        bodies |= {"restore": lua.RESTORE, "heartbeat": lua.HEARTBEAT}
-        self._scripts = {
-            name: client.register_script(lua.PRELUDE + body + lua.EPILOGUE) for name, body in bodies.items()
-        }
+        self._scripts = {name: client.register_script(text) for name, text in self.texts.items()}
+
+    def _argv(self, args: tuple[str | int, ...]) -> list[str | int]:
+        """A call's ARGV: the config, the boot id this process last saw, then the script's own."""
+        return [self._config, self.boot, *args]
 
     async def _run(self, name: str, *args: str | int) -> Any:
         script = self._scripts[name]
@@ -184,8 +186,7 @@ class LedgerScripts:
             async with asyncio.timeout(self.timeout):
                 while True:
                     try:
-                        now = "" if self.clock is None else str(round(self.clock() * 1000))
-                        return await script(keys=self.keys, args=[self._config, self.boot, now, *args])
+                        return await script(keys=self.keys, args=self._argv(args))
                     except MaxConnectionsError:
                         # A caller's client with redis-py's default (non-blocking) pool, all of its
                         # connections busy: that is a burst, not an outage. Wait for one.
@@ -197,32 +198,39 @@ class LedgerScripts:
 
     @overload
     async def reserve(
-        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: Literal[False] = False
+        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, mode: Literal["queue"] = ...
     ) -> tuple[str, str] | Full: ...
 
     @overload
     async def reserve(
-        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: bool
+        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, mode: Literal["wait"]
     ) -> tuple[str, str] | Beat | Full: ...
 
+    @overload
     async def reserve(
-        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, *, wait: bool = False
+        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, mode: Literal["try"]
+    ) -> tuple[str, str]: ...
+
+    async def reserve(
+        self, id: str, nbytes: int, devices: Sequence[str], priority: int, tenant: str, mode: ReserveMode = "queue"
     ) -> tuple[str, str] | Beat | Full:
         """``("granted", device)``, ``("queued", position)``, or :class:`Full` when the queue is at
-        its bound (no ticket is taken); with ``wait``, instead of queueing a request that cannot be
-        granted at once, the state of that moment (a :class:`Beat`, for the deadline decision), and
-        no ticket is taken.
+        its bound (no ticket is taken). A request that cannot be granted at once is queued in mode
+        ``"queue"``; in mode ``"wait"`` the state of that moment comes back instead (a :class:`Beat`,
+        for the deadline decision); in mode ``"try"``, ``("busy", "")``. Neither takes a ticket.
 
         ``devices`` in the ledger's order. Asking again with the same id answers the first ask's state.
         """
         indexes = ",".join(str(self._index[name]) for name in devices)
         devs = json.dumps(list(devices))
-        answer = await self._run("reserve", id, nbytes, devs, indexes, priority, tenant, "1" if wait else "0")
+        answer = await self._run("reserve", id, nbytes, devs, indexes, priority, tenant, mode)
         state, detail = text(answer[0]), answer[1]
         if state == "wait":
             return _beat((), detail)
         if state == "full":
             return Full(int(detail), _beat((), answer[2]), own_bound=len(answer) > 3)
+        if state == "busy":
+            return "busy", ""
         return state, text(detail)
 
     async def claim(self, id: str) -> tuple[str, str]:
