@@ -8,7 +8,7 @@ from ._admission.tenant_keys import TenantKey, api_key_tenant
 from ._asgi.dependencies import gpu_admission, gpu_reservation
 from ._asgi.middleware import GPUAdmissionMiddleware
 from ._asgi.routes import RouteSpec, gpu_bound
-from ._device.executor import DeviceExecutor
+from ._device.executor import DeviceExecutor, StopOnCancel, stop_requested
 from ._device.policy import DeviceGuard, ThermalPolicy
 from ._device.probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe
 from ._device.sampler import DeviceSampler, DeviceSnapshot
@@ -31,6 +31,7 @@ from ._errors import (
     OverTenantQuota,
     QueueFull,
     QueueTimeout,
+    ShuttingDown,
     UnsupportedMediaType,
 )
 from ._estimate.analytic import AnalyticEstimator
@@ -49,6 +50,7 @@ from ._ledger.memory import Ledger
 from ._ledger.tenants import DEFAULT_TENANT, TenantPolicy, TenantStatistics
 from ._ledger.url import ledger_from_url
 from ._observe.health import health_report, health_router
+from ._observe.lifecycle import Lifecycle
 from ._observe.metrics import GPUMetrics
 from ._observe.tracing import Phase, gpu_phase
 from ._observe.tracing_setup import configure_tracing
@@ -88,6 +90,7 @@ __all__ = [
     "Ledger",
     "LedgerStatistics",
     "LedgerUnavailable",
+    "Lifecycle",
     "LinearEstimator",
     "NVMLProbe",
     "NeverFits",
@@ -100,6 +103,8 @@ __all__ = [
     "QueueTimeout",
     "Reservation",
     "RouteSpec",
+    "ShuttingDown",
+    "StopOnCancel",
     "TenantKey",
     "TenantPolicy",
     "TenantStatistics",
@@ -121,4 +126,5 @@ __all__ = [
     "health_report",
     "health_router",
     "ledger_from_url",
+    "stop_requested",
 ]
