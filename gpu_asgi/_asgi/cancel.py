@@ -7,15 +7,25 @@ with a disconnect before ``http.response.start`` was sent, the task serving the 
 cancelled. The middleware absorbs that cancellation once the endpoint has unwound, and only
 then are the bytes released: an endpoint that waits for its device work on cancellation
 (``DeviceExecutor``, ``anyio.to_thread.run_sync``) keeps them until that work has stopped.
+
+A plain ``def`` endpoint is never cancelled: it runs on a worker thread that nothing can stop,
+and cancelling the task that awaits it would only release its bytes while it still runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+from typing import Any
 
 from .._types import Message
 
 CANCEL_MESSAGE = "gpu_asgi: the client disconnected before the response started"
+
+
+def cancellable(endpoint: Any) -> bool:
+    """False for a synchronous function endpoint (Starlette and FastAPI run it on a thread)."""
+    return not (inspect.isfunction(endpoint) and not inspect.iscoroutinefunction(endpoint))
 
 
 class DisconnectWatch:

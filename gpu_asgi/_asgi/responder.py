@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .._ledger.contract import Reservation
 from .._types import Message, Receive, Scope, Send
-from .cancel import DisconnectWatch
+from .cancel import DisconnectWatch, cancellable
 from .routes import RouteSpec, route_spec_of
 
 if TYPE_CHECKING:
@@ -103,7 +103,8 @@ class Responder:
         middleware = self._middleware
         middleware.lifecycle.admitted()
         cancel = middleware.cancel_on_disconnect if spec.cancel_on_disconnect is None else spec.cancel_on_disconnect
-        if cancel:  # the next message after the body can only be a disconnect: watch for it (``cancel``)
+        if cancel and cancellable(self._scope.get("endpoint")):
+            # The next message after the body can only be a disconnect: watch for it (``cancel``).
             if self._pending is None:
                 self._pending = asyncio.ensure_future(self._receive())
             self._watch = DisconnectWatch(self._pending)
