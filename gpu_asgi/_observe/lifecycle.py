@@ -95,6 +95,11 @@ class Lifecycle:
         """Admitted requests whose response has not ended yet."""
         return self._in_flight
 
+    @property
+    def waiting(self) -> int:
+        """Requests of this process waiting in the queue for bytes."""
+        return len(self._queued)
+
     # -- drain ----------------------------------------------------------------------------
 
     def refusal(self) -> ShuttingDown:
