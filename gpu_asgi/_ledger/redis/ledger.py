@@ -485,7 +485,9 @@ class RedisLedger:
         return self.statistics()
 
     async def aclose(self) -> None:
-        """Stop the heartbeat, let pending releases land (bounded), close a client made from a URL."""
+        """Give back every lease still held (:meth:`give_back_all`), stop the heartbeat, let pending
+        releases land (bounded), close a client made from a URL."""
+        self.give_back_all()
         await self._upkeep.aclose(drain_timeout=self.redis_timeout * RETRIES + 1)
         await self._probe_client.aclose()
         if self._owns_client:
@@ -530,6 +532,15 @@ class RedisLedger:
                 beat.statistics(self._capacities, local_rejections, self.tenant_policy),
             )
         return cached[3]  # the middleware asks once per request: built once per heartbeat
+
+
+    def give_back_all(self) -> int:
+        """Release every reservation this process still holds; returns the bytes given back.
+
+        For a process that stops (``aclose`` calls it): the other workers and hosts get the bytes
+        now, not after ``lease_ttl``. Whatever still runs on the device stops with the process.
+        """
+        return sum(reservation.release() for reservation in list(self._upkeep.held.values()))
 
 
 def _local_policy(policy: TenantPolicy, local_share: float) -> TenantPolicy:
