@@ -263,3 +263,22 @@ async def test_redis_aclose_gives_back_leases_still_held(redis_server: _redis.Re
     await ledger.aclose()
     assert held.released
     assert redis_server.ledger_state(namespace) == _redis.EMPTY
+
+
+async def test_signal_handler_drains_then_hands_the_signal_on_after_the_delay() -> None:
+    import os
+    import signal
+
+    lifecycle, seen = Lifecycle(ready=True), []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append((signum, lifecycle.draining)))
+    try:
+        restore = lifecycle.install_signal_handlers((signal.SIGUSR1,), delay=0.2)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        await wait_until(lambda: lifecycle.draining)
+        assert seen == []  # the server's own handler waits for the delay
+        await wait_until(lambda: seen == [(signal.SIGUSR1, True)])
+        restore()
+        os.kill(os.getpid(), signal.SIGUSR1)  # the previous handler alone again
+        await wait_until(lambda: len(seen) == 2)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
