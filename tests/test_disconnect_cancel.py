@@ -201,3 +201,39 @@ async def test_under_uvicorn_a_client_leaving_mid_call_cancels_the_endpoint() ->
         await wait_until(lambda: ledger.statistics().in_flight == 0)
     assert events == ["started", "cancelled"]
     assert back_after < 0.5, back_after  # a 3 s call; measured a few ms
+
+
+async def test_stop_on_cancel_ends_hugging_face_generate_at_the_next_step() -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, StoppingCriteriaList
+
+    from gpu_asgi import StopOnCancel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=4096)).eval()
+    steps: list[float] = []
+
+    def count_step(input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        steps.append(time.perf_counter())
+        time.sleep(0.005)  # a decode step long enough to cancel between
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def generate() -> int:
+        ids = torch.tensor([[1, 2, 3]])
+        criteria = StoppingCriteriaList([count_step, StopOnCancel()])  # type: ignore[list-item]
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=3000, min_new_tokens=3000, do_sample=False,
+            stopping_criteria=criteria, pad_token_id=0,
+        )
+        return int(out.shape[1])
+
+    executor = DeviceExecutor("cpu")
+    task = asyncio.ensure_future(executor.run(generate))
+    await wait_until(lambda: len(steps) >= 5)
+    cancelled_at = time.perf_counter()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    executor.shutdown()
+    assert task.cancelled()
+    assert len([t for t in steps if t > cancelled_at]) <= 2  # the step in progress, then it stopped
+    assert len(steps) < 1000
