@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from gpu_asgi import GPUAdmissionMiddleware, Lifecycle, LinearEstimator, gpu_bound, health_router, ledger_from_url
+from gpu_asgi._ledger.redis.ledger import RedisLedger
 
 from ._asgi import Words
 
@@ -45,9 +46,9 @@ async def stats(request: Request) -> JSONResponse:
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     async with lifecycle.serving(drain_timeout=20, signal_delay=float(os.environ.get("SIGTERM_DELAY", "0"))):
         yield
-    aclose = getattr(ledger, "aclose", None)  # the Redis ledger: pending releases land, then close
-    if aclose is not None:
-        await aclose()
+    if isinstance(ledger, RedisLedger):  # anything still held goes back now; pending releases land
+        ledger.give_back_all()
+        await ledger.aclose()
 
 
 app = Starlette(

@@ -252,14 +252,15 @@ def test_shutting_down_is_a_503_rejection() -> None:
 
 
 @_redis.requires_redis_server
-async def test_redis_aclose_gives_back_leases_still_held(redis_server: _redis.RedisServer, namespace: str) -> None:
-    # A request still running when the drain timed out: its lease goes back at close, not after
-    # lease_ttl (an hour here), so other workers see the bytes at once.
+async def test_redis_give_back_all_returns_leases_still_held(redis_server: _redis.RedisServer, namespace: str) -> None:
+    # A request still running when the drain timed out: its lease goes back as the process stops,
+    # not after lease_ttl (an hour here), so other workers see the bytes at once.
     from gpu_asgi._ledger.redis.ledger import RedisLedger
 
     ledger = RedisLedger(redis_server.url, 100, namespace=namespace, lease_ttl=3600.0)
     held = await ledger.reserve(30)
     assert redis_server.ledger_state(namespace)["reserved"] == 30
+    assert ledger.give_back_all() == 30
     await ledger.aclose()
     assert held.released
     assert redis_server.ledger_state(namespace) == _redis.EMPTY

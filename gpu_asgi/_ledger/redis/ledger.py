@@ -485,9 +485,7 @@ class RedisLedger:
         return self.statistics()
 
     async def aclose(self) -> None:
-        """Give back every lease still held (:meth:`give_back_all`), stop the heartbeat, let pending
-        releases land (bounded), close a client made from a URL."""
-        self.give_back_all()
+        """Stop the heartbeat, let pending releases land (bounded), close a client made from a URL."""
         await self._upkeep.aclose(drain_timeout=self.redis_timeout * RETRIES + 1)
         await self._probe_client.aclose()
         if self._owns_client:
@@ -537,8 +535,10 @@ class RedisLedger:
     def give_back_all(self) -> int:
         """Release every reservation this process still holds; returns the bytes given back.
 
-        For a process that stops (``aclose`` calls it): the other workers and hosts get the bytes
-        now, not after ``lease_ttl``. Whatever still runs on the device stops with the process.
+        For a process that stops with requests still running (past its drain timeout): call it
+        before :meth:`aclose`, and the other workers and hosts get those bytes now, not after
+        ``lease_ttl``. Whatever still runs on the device stops with the process. (A request the
+        server cancels releases its own bytes: the middleware releases them as it unwinds.)
         """
         return sum(reservation.release() for reservation in list(self._upkeep.held.values()))
 
