@@ -6,6 +6,7 @@ The lifespan starts the device sampler and the batcher, and stops them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +20,7 @@ from gpu_asgi import (
     GPUAdmissionMiddleware,
     GPUMetrics,
     HFTokenCounter,
+    Lifecycle,
     NoDeviceProbe,
     ThermalPolicy,
     auto_probe,
@@ -35,7 +37,7 @@ from ._batching.batcher import Batcher
 from ._batching.buckets import BucketedEstimator
 from ._metrics import DemoMetrics
 from ._model.load import LoadedModel, load_model
-from ._service import DemoService
+from ._service import DemoService, warm_up
 from ._settings import DEFAULT_CPU_BUDGET_BYTES, DemoSettings
 
 #: On a hot GPU (above ThermalPolicy's 75 °C) requests get at most this many new tokens.
@@ -91,11 +93,20 @@ def create_app(
         tracer_provider=tracer_provider,
     )
     service = DemoService(settings, loaded, ledger, batcher, settings.served_model_name or loaded.name)
+    # Ready only once the model has loaded (above) and one real generation has run (the lifespan).
+    lifecycle = Lifecycle()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with sampler, batcher:
-            yield
+            # In the background: the server listens (liveness answers) while readiness says 503.
+            warming = asyncio.ensure_future(warm_up(service, lifecycle))
+            try:
+                async with lifecycle.serving(drain_timeout=settings.drain_timeout, signal_delay=settings.drain_delay):
+                    yield
+            finally:
+                warming.cancel()
+                await asyncio.gather(warming, return_exceptions=True)
         metrics.close()
         aclose = getattr(ledger, "aclose", None)  # the Redis ledger's heartbeat and connections
         if aclose is not None:
@@ -109,9 +120,14 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.service = service
+    app.state.lifecycle = lifecycle
     app.include_router(generate_router(service))
     app.include_router(openai_router(service))
-    app.router.routes.extend(health_router(ledger, sampler=sampler, thermal=thermal, metrics=metrics).routes)
+    app.router.routes.extend(
+        health_router(
+            ledger, sampler=sampler, thermal=thermal, metrics=metrics, lifecycle=lifecycle, drain_path="/health/drain"
+        ).routes
+    )
     install_problem_handlers(app)
     app.add_middleware(
         GPUAdmissionMiddleware,
@@ -123,6 +139,7 @@ def create_app(
         sampler=sampler,
         thermal=thermal,
         tracer_provider=tracer_provider,
+        lifecycle=lifecycle,
     )
     if settings.tracing:
         _instrument(app, tracer_provider)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gpu_asgi import Admission, Ledger
+from gpu_asgi import Admission, Ledger, Lifecycle
 
 from ._batching.batcher import Batcher
 from ._batching.device_run import Sampling
@@ -26,6 +26,7 @@ from ._batching.jobs import Generation, SequenceState
 from ._model.load import LoadedModel
 from ._model.prompts import encoder
 from ._settings import DemoSettings
+from ._startup import logger, step
 
 
 @dataclass(slots=True)
@@ -87,6 +88,11 @@ async def complete(request: Request, admission: Admission, generation: Generatio
     left = asyncio.ensure_future(_disconnect(request.receive))
     try:
         await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # gpu_asgi cancels the endpoint when its client leaves
+        generation.cancel()  # its sequences leave the batch at the next step
+        result.cancel()
+        await wait_for_device(generation)  # the bytes go back only once the batch is off the device
+        raise
     finally:
         left.cancel()
     if not result.done():
@@ -160,3 +166,21 @@ async def hold_until_device_done(admission: Admission, generation: Generation) -
     """After the last event: wait for the batch to leave the device, then give the bytes back."""
     await asyncio.wait((generation.device_done,))  # a failure was already sent as an event
     admission.reservation.shrink(0)
+
+
+#: The warm-up: a short prompt, a few new tokens, greedy.
+WARM_UP_PROMPT = "Hello"
+WARM_UP_TOKENS = 4
+
+
+async def warm_up(service: DemoService, lifecycle: Lifecycle) -> None:
+    """One real generation through the batcher and the device, then ``lifecycle.mark_ready()``.
+
+    Until then ``/health/ready`` answers 503: the first request does not pay for the first
+    kernels, allocator growth or lazy imports, and a load balancer sends none before.
+    """
+    ids = service.loaded.tokenizer(WARM_UP_PROMPT)["input_ids"]
+    with step("Warm-up generation (readiness waits for it)"):
+        await service.batcher.warm_up(ids, WARM_UP_TOKENS)
+    lifecycle.mark_ready()
+    logger.info("Ready: the model is loaded and one generation has run; /health/ready answers 200")

@@ -93,6 +93,16 @@ class DemoSettings(BaseSettings):
         default=10.0, gt=0, description="Seconds a request may wait for memory before 503 queue-timeout."
     )
     reject_status: RejectStatus = Field(default=503, description="Status for overload answers: 429 or 503.")
+    drain_timeout: float = Field(
+        default=25.0, ge=0,
+        description="On SIGTERM: seconds admitted requests may take to finish (keep below the server's "
+        "graceful timeout and Kubernetes' terminationGracePeriodSeconds).",
+    )
+    drain_delay: float = Field(
+        default=0.0, ge=0,
+        description="On SIGTERM: seconds between the drain (readiness 503, new GPU requests refused) and the "
+        "server closing its listener, so load balancers see the replica go first.",
+    )
     max_new_tokens_cap: int = Field(
         default=1024, ge=1, description="Largest max_tokens / max_new_tokens a request may ask for."
     )

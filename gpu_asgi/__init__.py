@@ -16,11 +16,19 @@ from ._admission.tenant_keys import TenantKey, api_key_tenant
 from ._asgi.dependencies import gpu_admission, gpu_reservation
 from ._asgi.middleware import GPUAdmissionMiddleware
 from ._asgi.routes import RouteSpec, gpu_bound
-from ._device.executor import DeviceExecutor
+from ._device.executor import DeviceExecutor, StopOnCancel, stop_requested
 from ._device.policy import DeviceGuard, ThermalPolicy
 from ._device.probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe
 from ._device.sampler import DeviceSampler, DeviceSnapshot
-from ._errors import AdmissionRejected, GPUAdmissionError, LedgerUnavailable, NeverFits, QueueFull, QueueTimeout
+from ._errors import (
+    AdmissionRejected,
+    GPUAdmissionError,
+    LedgerUnavailable,
+    NeverFits,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+)
 from ._estimate.analytic import AnalyticEstimator
 from ._estimate.calibration import CalibratedEstimator, PeakCalibration
 from ._estimate.linear import Estimator, LinearEstimator, budget_bytes, calibrate, cuda_peak_measurer, fit_linear
@@ -30,6 +38,7 @@ from ._ledger.memory import Ledger
 from ._ledger.tenants import DEFAULT_TENANT, TenantPolicy, TenantStatistics
 from ._ledger.url import ledger_from_url
 from ._observe.health import health_report, health_router
+from ._observe.lifecycle import Lifecycle
 from ._observe.metrics import GPUMetrics
 from ._observe.tracing import Phase, gpu_phase
 from ._observe.tracing_setup import configure_tracing
@@ -73,10 +82,13 @@ __all__ = [  # noqa: RUF022 - grouped by what a user does, not sorted
     "DeviceGuard",
     "DeviceSampler",
     "Probe",
+    "StopOnCancel",
     "ThermalPolicy",
     "auto_probe",
-    # observability
+    "stop_requested",
+    # observability, readiness and drain
     "GPUMetrics",
+    "Lifecycle",
     "configure_tracing",
     "gpu_phase",
     "health_report",
@@ -93,7 +105,8 @@ __all__ = [  # noqa: RUF022 - grouped by what a user does, not sorted
 #: Public, importable from here, and documented, but not in ``__all__``: the types of values the
 #: API returns that a user rarely names, the concrete probes ``auto_probe`` picks, and constants.
 _ALSO_PUBLIC: tuple[type, ...] = (
-    DeviceReading, DeviceSnapshot, DeviceStatistics, NVMLProbe, NoDeviceProbe, Phase, TenantStatistics, TorchProbe,
+    DeviceReading, DeviceSnapshot, DeviceStatistics, NVMLProbe, NoDeviceProbe, Phase, ShuttingDown, TenantStatistics,
+    TorchProbe,
 )
 _CONSTANTS = (DEFAULT_TENANT, MAX_PRIORITY, MIN_PRIORITY)
 

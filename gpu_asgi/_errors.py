@@ -14,6 +14,9 @@ class GPUAdmissionError(Exception):
     status: ClassVar[int] = 400
     reason: ClassVar[str] = "bad-request"
     title: ClassVar[str] = "Bad request"
+    #: The answer carries ``Connection: close``: the client's next try should open a new connection
+    #: (which a load balancer sends to another replica).
+    close_connection: ClassVar[bool] = False
 
     def __init__(self, detail: str, *, retry_after: float | None = None, **extensions: Any) -> None:
         super().__init__(detail)
@@ -129,3 +132,14 @@ class LedgerUnavailable(AdmissionRejected):
     """The shared ledger (Redis) did not answer in time; admission fails closed rather than guess."""
 
     reason, title = "ledger-unavailable", "The GPU budget ledger is unavailable"
+
+
+class ShuttingDown(AdmissionRejected):
+    """The process is draining (``Lifecycle.drain``): it admits nothing new and fails its queue at once.
+
+    Answered with ``Retry-After`` and ``Connection: close`` so that a load balancer or client
+    retries on another replica.
+    """
+
+    reason, title = "shutting-down", "The server is shutting down"
+    close_connection = True

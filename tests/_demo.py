@@ -43,6 +43,7 @@ async def running(model: LoadedModel, **values: Any) -> AsyncIterator[Any]:
     """A demo app with its lifespan running (batcher started), for ``httpx.ASGITransport``."""
     app = create_app(settings(**values), model=model)
     async with app.router.lifespan_context(app):
+        await wait_until(lambda: app.state.lifecycle.ready)  # its warm-up generation has run
         yield app
 
 
@@ -58,6 +59,7 @@ async def serving(model: LoadedModel, **values: Any) -> AsyncIterator[tuple[Any,
     if task.done():
         task.result()  # raise the start-up error
     port = server.servers[0].sockets[0].getsockname()[1]
+    await wait_until(lambda: app.state.lifecycle.ready)  # its warm-up generation has run
     try:
         yield app, port
     finally:

@@ -221,6 +221,8 @@ async def test_each_request_is_traced_and_so_is_its_batch(model: LoadedModel) ->
         settings(tracing=True, batch_window_ms=60_000, max_batch_size=2), model=model, tracer_provider=provider
     )
     async with app.router.lifespan_context(app), client(app) as http:
+        await wait_until(lambda: app.state.lifecycle.ready)
+        exporter.clear()  # the warm-up generation's span (ended on the device thread before ready)
         bodies = [{"prompt": f"Trace me {i}", "max_new_tokens": 3} for i in range(2)]
         await asyncio.gather(*(http.post("/v1/generate", json=body) for body in bodies))
         await wait_until(lambda: sum(s.name == "gpu_asgi.generate" for s in exporter.get_finished_spans()) == 3)

@@ -136,6 +136,12 @@ class Batcher:
         tracing.add_done_callback(self._tracing.discard)
         return generation
 
+    async def warm_up(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """One real ``generate`` on the device, outside any batch and any count, so that the first
+        request does not pay for the first kernels and lazy initialisation."""
+        plan = BatchPlan([list(prompt_ids)], [max_new_tokens], Sampling())
+        await self._executor.run(run_batch, self.loaded, plan, lambda tokens: None)
+
     async def _trace(self, generation: Generation) -> None:
         provider = self._tracer_provider
         attributes = {"demo_service.sequences": len(generation.sequences)}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .._asgi.responder import ADMITTING_SCOPE_KEY
 from .._asgi.routes import RouteSpec
 from .._device.policy import CLAMPED_HEADER
-from .._errors import GPUAdmissionError
+from .._errors import GPUAdmissionError, ShuttingDown
 from .._estimate.linear import Estimator
 from .._estimate.tokens import count_tokens_in_thread
 from .._ledger.contract import Reservation
@@ -98,6 +98,11 @@ async def admit(
     metrics = middleware.metrics
     if metrics is not None:
         metrics.ensure_refreshing()
+    if middleware.lifecycle.draining:  # stopping: refused before the body is read (_observe.lifecycle)
+        if metrics is not None:
+            metrics.record_rejection(ShuttingDown.reason)
+        await middleware._answer(send, scope, middleware.lifecycle.refusal(), spec)
+        return None
     if middleware.sampler is not None:
         middleware.sampler.ensure_started()
     clamped_from: int | None = None

@@ -20,6 +20,7 @@ from .._types import Message, Receive
 
 if TYPE_CHECKING:
     from .._asgi.middleware import GPUAdmissionMiddleware
+    from .._observe.lifecycle import Lifecycle
 
 
 async def reserve(
@@ -43,6 +44,8 @@ async def reserve(
     outcome, reason, device, depth, started = otel.CANCELLED, None, None, 0, 0.0
     pending: asyncio.Future[Message] | None = None
     try:
+        if middleware.lifecycle.draining:  # stopping while this request's body was read
+            raise middleware.lifecycle.refusal()
         devices = spec.devices if middleware.device_guard is None else trusted_devices(middleware, spec, nbytes, tenant)
         reservation = await middleware.ledger.reserve_if_free(nbytes, devices=devices, tenant=tenant)
         if reservation is None:
@@ -52,7 +55,7 @@ async def reserve(
             middleware._queued += 1
             started = time.perf_counter()
             reservation, pending = await wait(
-                middleware.ledger, nbytes, devices, spec.priority, receive, wait_limit, tenant
+                middleware.ledger, nbytes, devices, spec.priority, receive, wait_limit, tenant, middleware.lifecycle
             )
             if reservation is None:
                 outcome = otel.DISCONNECTED
@@ -123,9 +126,11 @@ async def wait(
     receive: Receive,
     deadline: float | None = None,
     tenant: str = DEFAULT_TENANT,
+    lifecycle: Lifecycle | None = None,
 ) -> tuple[Reservation | None, asyncio.Future[Message] | None]:
     """Queue for the bytes while listening for a disconnect (``deadline``: the ledger may
-    refuse at once, :class:`DeadlineUnmeetable`).
+    refuse at once, :class:`DeadlineUnmeetable`) and, with ``lifecycle``, for a drain
+    (:class:`ShuttingDown` at once).
 
     Returns the reservation and the still-pending ``receive()`` (handed on to the endpoint so
     no message is lost), or ``(None, None)`` when the client disconnected first.
@@ -134,11 +139,18 @@ async def wait(
         ledger.reserve(nbytes, devices=devices, priority=priority, tenant=tenant, deadline=deadline)
     )
     listening: asyncio.Future[Message] = asyncio.ensure_future(receive())
+    stopping = lifecycle.queued() if lifecycle is not None else asyncio.get_running_loop().create_future()
     try:
         while True:
-            await asyncio.wait((reserving, listening), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((reserving, listening, stopping), return_when=asyncio.FIRST_COMPLETED)
             if reserving.done():
                 return reserving.result(), listening  # raises the ledger's rejection, if any
+            if stopping.done() and lifecycle is not None:  # draining: leave the queue now
+                reserving.cancel()
+                outcome = (await asyncio.gather(reserving, return_exceptions=True))[0]
+                if isinstance(outcome, Reservation):
+                    outcome.release()
+                raise lifecycle.refusal()
             if listening.result()["type"] == "http.disconnect":
                 reserving.cancel()
                 outcome = (await asyncio.gather(reserving, return_exceptions=True))[0]
@@ -153,6 +165,9 @@ async def wait(
         elif not reserving.cancelled() and isinstance(granted := reserving.exception() or reserving.result(), Reservation):
             granted.release()  # we were cancelled just as the bytes were granted
         raise
+    finally:
+        if lifecycle is not None:
+            lifecycle.dequeued(stopping)
 
 
 def _largest(ledger: BudgetLedger, devices: Sequence[str]) -> int:

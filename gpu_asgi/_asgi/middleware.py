@@ -37,6 +37,7 @@ from .._estimate.tokens import HeuristicTokenCounter, TokenCounter
 from .._ledger.contract import BudgetLedger
 from .._ledger.legacy import as_budget_ledger
 from .._observe import tracing as otel
+from .._observe.lifecycle import Lifecycle
 from .._types import ASGIApp, Receive, Scope, Send
 from .problems import send_problem
 from .responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
@@ -94,6 +95,8 @@ class GPUAdmissionMiddleware:
         openai_errors: bool = False,
         tenant_key: TenantKey | Sequence[TenantKey] | None = None,
         tenant_labels: Collection[str] | None = None,
+        lifecycle: Lifecycle | None = None,
+        cancel_on_disconnect: bool = True,
     ) -> None:
         if reject_status not in (429, 503):
             raise ValueError("reject_status must be 429 or 503")
@@ -121,6 +124,11 @@ class GPUAdmissionMiddleware:
         self.tenant_key = tenant_keys(tenant_key)
         #: Tenants that spans and metrics name; any other is "other".
         self._tenant_labels = named_tenants(self.ledger, tenant_labels)
+        #: Readiness and drain (``_observe.lifecycle``); without one given, ready at once.
+        self.lifecycle = Lifecycle(ready=True) if lifecycle is None else lifecycle
+        #: Cancel an admitted endpoint whose client leaves before its response starts (``cancel``);
+        #: a route's own RouteSpec.cancel_on_disconnect wins.
+        self.cancel_on_disconnect = cancel_on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -144,7 +152,9 @@ class GPUAdmissionMiddleware:
                 try:
                     await self.app(scope, responder.receive, responder.send)
                 except BaseException as error:
-                    if not caused_by_answer(error):
+                    if responder.cancelled_on_disconnect(error):  # the client left; the endpoint has stopped
+                        await responder.answer_departed()
+                    elif not caused_by_answer(error):
                         raise
                     if isinstance(error, BaseExceptionGroup):  # what else our signal set off, for whoever looks
                         logger.debug("after gpu_asgi answered %s, the app raised", route_name(scope), exc_info=error)

@@ -59,5 +59,7 @@ async def send_problem(
     ]
     if error.retry_after is not None:
         headers.append((b"retry-after", retry_after_header(error.retry_after)))
+    if error.close_connection:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from .._ledger.contract import Reservation
 from .._types import Message, Receive, Scope, Send
+from .cancel import DisconnectWatch, cancellable
 from .routes import RouteSpec, route_spec_of
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class Responder:
 
     __slots__ = (
         "_body", "_clamp", "_entry_endpoint", "_middleware", "_pending", "_receive", "_reservation", "_scope", "_send",
-        "_state",
+        "_spec", "_state", "_watch",
     )
 
     def __init__(self, middleware: GPUAdmissionMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
@@ -85,25 +86,46 @@ class Responder:
         self._body: bytes | None = None
         self._pending: asyncio.Future[Message] | None = None  # receive() still running from the queue wait
         self._clamp: tuple[bytes, bytes] | None = None
+        self._spec: RouteSpec | None = None
+        self._watch: DisconnectWatch | None = None  # cancels the endpoint if the client leaves first
 
     async def admit(self, spec: RouteSpec) -> bool:
         """Admit now; False when gpu_asgi answered instead (or the client left)."""
-        return self._granted(await self._middleware.admit(spec, self._scope, self._receive, self._send))
+        return self._granted(spec, await self._middleware.admit(spec, self._scope, self._receive, self._send))
 
-    def _granted(self, granted: Granted | None) -> bool:
+    def _granted(self, spec: RouteSpec, granted: Granted | None) -> bool:
         if granted is None:
             self._state = _ANSWERED
             return False
         self._reservation, self._body, self._pending, self._clamp = granted
         self._state = _ADMITTED
+        self._spec = spec
+        middleware = self._middleware
+        middleware.lifecycle.admitted()
+        cancel = middleware.cancel_on_disconnect if spec.cancel_on_disconnect is None else spec.cancel_on_disconnect
+        if cancel and cancellable(self._scope.get("endpoint")):
+            # The next message after the body can only be a disconnect: watch for it (``cancel``).
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(self._receive())
+            self._watch = DisconnectWatch(self._pending)
         return True
 
     def finish(self) -> None:
         """After the app has returned or failed: release (at most once) and stop listening."""
         if self._reservation is not None:
             self._reservation.release()
+            self._middleware.lifecycle.finished()
         if self._pending is not None:
             self._pending.cancel()
+
+    def cancelled_on_disconnect(self, error: BaseException) -> bool:
+        """Whether ``error`` is the cancellation this request's disconnect caused (then absorbed)."""
+        return self._watch is not None and self._watch.absorbs(error)
+
+    async def answer_departed(self) -> None:
+        """The 499 of an endpoint cancelled because its client left, for access logs and outer middleware."""
+        assert self._spec is not None
+        await self._middleware.answer_departed(self._scope, self._send, self._spec)
 
     def receive(self) -> Awaitable[Message]:
         """The app's ``receive``. Whatever can be decided without waiting is decided here, so an
@@ -131,13 +153,15 @@ class Responder:
             if state == _UNDECIDED and matched_spec(self._scope) is None:
                 self._state = _PASS  # an untagged endpoint (or none: a 404/405) answers
                 return self._send(message)
+            if state == _ADMITTED and self._watch is not None:
+                self._watch.response_started = True  # a stream is Starlette's to cancel from now on
             if state == _ADMITTED and self._clamp is None:
                 return self._send(message)  # the bytes are released at the last body chunk
         return self._send_watched(message)
 
     async def _admit_and_replay(self, spec: RouteSpec) -> Message:
         """A tagged endpoint's first read: admit, then hand it the body that admission read."""
-        if not self._granted(await self._middleware.admit(spec, self._scope, self._receive, self._send)):
+        if not self._granted(spec, await self._middleware.admit(spec, self._scope, self._receive, self._send)):
             raise Answered
         return self._replay()
 

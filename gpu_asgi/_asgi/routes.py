@@ -71,6 +71,9 @@ class RouteSpec:
     max_client_wait: float | None = None
     #: Where this route's tenant is read (tried in order); None follows the middleware's ``tenant_key``.
     tenant_key: TenantKey | Sequence[TenantKey] | None = None
+    #: Cancel the endpoint when its client disconnects before the response starts; False for a
+    #: route that must finish. None follows the middleware's ``cancel_on_disconnect``.
+    cancel_on_disconnect: bool | None = None
 
     def __post_init__(self) -> None:
         if self.estimator is not None:
@@ -112,6 +115,7 @@ def gpu_bound(
     openai_errors: bool | None = None,
     max_client_wait: float | None = None,
     tenant_key: TenantKey | Sequence[TenantKey] | None = None,
+    cancel_on_disconnect: bool | None = None,
 ) -> Callable[[F], F]:
     """Tag an endpoint as GPU-bound. Returns the function itself, so decorator order is free."""
     spec = RouteSpec(
@@ -128,6 +132,7 @@ def gpu_bound(
         openai_errors=openai_errors,
         max_client_wait=max_client_wait,
         tenant_key=tenant_key,
+        cancel_on_disconnect=cancel_on_disconnect,
     )
 
     def decorate(endpoint: F) -> F:

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self, TypeVar
@@ -23,6 +24,32 @@ from .._observe.tracing import ThreadBinding, bind_thread, get_tracer
 
 T = TypeVar("T")
 
+#: The stop flag of the call running on this thread (None outside a ``DeviceExecutor`` call).
+_current = threading.local()
+
+
+def stop_requested() -> bool:
+    """In a ``DeviceExecutor`` call: True once the awaiting task was cancelled (its client left).
+
+    Read it between steps (a decode step, a batch) and return early; the request's bytes are
+    released only after the call has returned. Outside such a call: always False.
+    """
+    flag: threading.Event | None = getattr(_current, "stop", None)
+    return flag is not None and flag.is_set()
+
+
+class StopOnCancel:
+    """A Hugging Face ``generate`` stopping criterion: stop every sequence once :func:`stop_requested`.
+
+    ``model.generate(ids, stopping_criteria=StoppingCriteriaList([StopOnCancel()]))`` inside a
+    ``DeviceExecutor`` call; generation ends after the step in progress.
+    """
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch  # only ever called by transformers, which has torch
+
+        return torch.full((input_ids.shape[0],), stop_requested(), dtype=torch.bool, device=input_ids.device)
+
 
 class DeviceExecutor:
     """Run ``fn(*args)`` on this device's thread: ``out = await executor.run(generate, ids)``.
@@ -30,9 +57,11 @@ class DeviceExecutor:
     - ``synchronize=True`` makes every ``gpu_phase`` in the thread wait for the device before its
       span ends (accurate phase timings, at the cost of a sync per phase); off by default.
     - ``inference_mode=False`` runs without ``torch.inference_mode()`` (e.g. for calibration).
-    - Cancelling the awaiting task does not stop the thread (nothing can): ``run`` waits for the
-      call to finish before it re-raises the cancellation, so the request's reservation is still
-      held while the device is using the memory. Repeated cancellations (anyio cancel scopes
+    - Cancelling the awaiting task cannot kill the thread: it sets the call's stop flag
+      (:func:`stop_requested`, :class:`StopOnCancel` for ``generate``), which a call that
+      checks it between steps obeys at the next step, and ``run`` waits for the call to
+      return before it re-raises the cancellation, so the request's reservation is still held
+      while the device is using the memory. Repeated cancellations (anyio cancel scopes
       re-deliver them) are absorbed too: a cancelled request ends when its device call ends.
 
     One thread means calls on a device run one after another: batch requests (as the demo
@@ -101,6 +130,15 @@ class DeviceExecutor:
         result = self._call(fn, args, kwargs)
         return result, max(0, torch.cuda.max_memory_allocated(self.device) - before)
 
+    @staticmethod
+    def _flagged(stop: threading.Event, call: Callable[..., T], *args: Any) -> T:
+        """Run ``call`` on the thread with ``stop`` as its :func:`stop_requested` flag."""
+        _current.stop = stop
+        try:
+            return call(*args)
+        finally:
+            _current.stop = None
+
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         if self._init_error is not None:
             raise self._init_error
@@ -128,10 +166,12 @@ class DeviceExecutor:
                    kwargs: dict[str, Any]) -> T:
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()  # carries the current span into the thread
-        future = loop.run_in_executor(self._executor(), context.run, call, fn, args, kwargs)
+        stop = threading.Event()
+        future = loop.run_in_executor(self._executor(), context.run, self._flagged, stop, call, fn, args, kwargs)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
+            stop.set()  # a call that reads stop_requested() returns at its next step
             # The device is still working: wait for it, so the caller's reservation stays held.
             # anyio (Starlette's streams) re-cancels every loop iteration, so every cancellation
             # is absorbed until the call returns; the last one is re-raised after.

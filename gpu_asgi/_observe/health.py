@@ -8,13 +8,20 @@ so it is safe for a liveness/readiness probe at any rate. Statuses:
   device probe fails or is stale (with a fail-open guard, or none), or the shared ledger is
   unreachable and this process admits from its local share.
 - ``unavailable`` (503): new requests would be refused: the queue is full, the device guard fails
-  closed and has no usable reading, a device is above ``unavailable_above_celsius``, or the shared
-  ledger is unreachable and fails closed.
+  closed and has no usable reading, a device is above ``unavailable_above_celsius``, the shared
+  ledger is unreachable and fails closed, or the process is draining.
+
+With a :class:`~gpu_asgi.Lifecycle`, the router also serves the Kubernetes probes: liveness
+(``/health/live``: 200 while the event loop answers) and readiness (``/health/ready``: 200 only
+when the app has marked itself ready, the process is not draining and ``/health`` is not
+``unavailable``), and optionally a drain endpoint for a preStop hook.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -26,6 +33,7 @@ from .._device.probe import DeviceReading
 from .._device.sampler import DeviceSampler
 from .._ledger.contract import BudgetLedger
 from .._ledger.legacy import as_budget_ledger
+from .lifecycle import Lifecycle
 from .metrics import GPUMetrics
 
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"
@@ -37,12 +45,15 @@ def health_report(
     sampler: DeviceSampler | None = None,
     thermal: ThermalPolicy | None = None,
     device_guard: DeviceGuard | None = None,
+    lifecycle: Lifecycle | None = None,
 ) -> dict[str, Any]:
     """The ``/health`` body. Call it on the event loop (it reads the ledger)."""
     ledger = as_budget_ledger(ledger)  # a ledger in an earlier release's shape is adapted
     stats = ledger.statistics()
     degraded: list[str] = []
     unavailable: list[str] = []
+    if lifecycle is not None and lifecycle.draining:
+        unavailable.append("the process is draining: it admits no new GPU work")
     if stats.waiting >= ledger.max_queue:
         unavailable.append(f"the admission queue is full ({stats.waiting} waiting)")
     availability = ledger.availability
@@ -108,6 +119,7 @@ def health_report(
         "rejected_total": dict(stats.rejected_total),
         "devices": devices,
         "probe": probe,
+        **({} if lifecycle is None else {"ready": lifecycle.ready, "draining": lifecycle.draining}),
     }
 
 
@@ -131,8 +143,17 @@ def health_router(
     metrics: GPUMetrics | None = None,
     health_path: str = "/health",
     metrics_path: str = "/metrics",
+    lifecycle: Lifecycle | None = None,
+    live_path: str = "/health/live",
+    ready_path: str = "/health/ready",
+    drain_path: str | None = None,
 ) -> Router:
     """A router with ``GET health_path`` and, when ``metrics`` is given, ``GET metrics_path``.
+
+    With ``lifecycle`` (the one given to the middleware), also ``GET live_path`` and
+    ``GET ready_path``, and with ``drain_path`` a ``GET``/``POST`` that starts the drain for a
+    Kubernetes preStop hook (``?wait=S``: answer once admitted requests have ended, at most S
+    seconds); keep that one off the public network.
 
     Mount it (``app.mount("/ops", health_router(...))``) or add its routes at the top level
     (``app.router.routes.extend(health_router(...).routes)``). Pass the same ledger, sampler,
@@ -140,16 +161,21 @@ def health_router(
     """
     ledger = as_budget_ledger(ledger)
 
-    async def health(request: Request) -> Response:
+    def report() -> dict[str, Any]:
         if sampler is not None:
             sampler.ensure_started()
         if metrics is not None:
             metrics.ensure_refreshing()
-        body = health_report(ledger, sampler=sampler, thermal=thermal, device_guard=device_guard)
+        return health_report(ledger, sampler=sampler, thermal=thermal, device_guard=device_guard, lifecycle=lifecycle)
+
+    async def health(request: Request) -> Response:
+        body = report()
         status = 503 if body["status"] == UNAVAILABLE else 200
-        return JSONResponse(body, status_code=status, headers={"cache-control": "no-store"})
+        return JSONResponse(body, status_code=status, headers=_NO_STORE)
 
     routes = [Route(health_path, health, methods=["GET"], name="gpu_asgi_health")]
+    if lifecycle is not None:
+        routes.extend(_lifecycle_routes(lifecycle, report, live_path, ready_path, drain_path))
     if metrics is not None:
 
         async def metrics_endpoint(request: Request) -> Response:
@@ -163,7 +189,53 @@ def health_router(
                 body, content_type = await asyncio.to_thread(metrics.render, accept)
             else:
                 body, content_type = metrics.render(accept)  # reads the ledger: stays on the loop
-            return Response(body, media_type=content_type, headers={"cache-control": "no-store"})
+            return Response(body, media_type=content_type, headers=_NO_STORE)
 
         routes.append(Route(metrics_path, metrics_endpoint, methods=["GET"], name="gpu_asgi_metrics"))
     return Router(routes=routes)
+
+
+_NO_STORE = {"cache-control": "no-store"}
+
+
+def _lifecycle_routes(
+    lifecycle: Lifecycle, report: Callable[[], dict[str, Any]], live_path: str, ready_path: str, drain_path: str | None
+) -> list[Route]:
+    """Liveness, readiness and (optionally) the preStop drain."""
+
+    async def live(request: Request) -> Response:
+        # Answered by the event loop itself: a loop blocked or dead does not answer at all.
+        return JSONResponse({"status": "live"}, headers=_NO_STORE)
+
+    async def ready(request: Request) -> Response:
+        body = report()
+        reasons = list(body["reasons"]) if body["status"] == UNAVAILABLE else []
+        if not lifecycle.app_ready:
+            reasons.insert(0, "the app has not marked itself ready (Lifecycle.mark_ready)")
+        ok = not reasons
+        answer = {"status": "ready" if ok else "not-ready", "reasons": reasons, "draining": lifecycle.draining}
+        return JSONResponse(answer, status_code=200 if ok else 503, headers=_NO_STORE)
+
+    routes = [
+        Route(live_path, live, methods=["GET"], name="gpu_asgi_live"),
+        Route(ready_path, ready, methods=["GET"], name="gpu_asgi_ready"),
+    ]
+    if drain_path is not None:
+
+        async def drain(request: Request) -> Response:
+            raw = request.query_params.get("wait", "0")
+            try:
+                wait = float(raw)
+            except ValueError:
+                wait = math.nan
+            if not 0 <= wait < math.inf:
+                return JSONResponse({"detail": f"wait must be a number of seconds >= 0, got {raw!r}"}, status_code=400)
+            if wait:
+                await lifecycle.drain(wait)
+            else:
+                lifecycle.start_draining()
+            body = {"draining": True, "in_flight": lifecycle.in_flight}
+            return JSONResponse(body, status_code=200 if lifecycle.in_flight == 0 else 202, headers=_NO_STORE)
+
+        routes.append(Route(drain_path, drain, methods=["GET", "POST"], name="gpu_asgi_drain"))
+    return routes

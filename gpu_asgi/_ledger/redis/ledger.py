@@ -531,6 +531,17 @@ class RedisLedger(LedgerBase):
         return cached[3]  # the middleware asks once per request: built once per heartbeat
 
 
+    def give_back_all(self) -> int:
+        """Release every reservation this process still holds; returns the bytes given back.
+
+        For a process that stops with requests still running (past its drain timeout): call it
+        before :meth:`aclose`, and the other workers and hosts get those bytes now, not after
+        ``lease_ttl``. Whatever still runs on the device stops with the process. (A request the
+        server cancels releases its own bytes: the middleware releases them as it unwinds.)
+        """
+        return sum(reservation.release() for reservation in list(self._upkeep.held.values()))
+
+
 def _local_policy(policy: TenantPolicy, local_share: float) -> TenantPolicy:
     """The policy one process applies alone while Redis is unavailable: ``local_share`` of its quota,
     rounded down and at least one byte (as each budget's share; a quota cannot be 0 bytes)."""
