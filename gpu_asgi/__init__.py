@@ -4,10 +4,11 @@ Everything public is importable from here; the modules behind it are private.
 """
 
 from ._admission.gate import Admission
+from ._admission.spec import RouteSpec
 from ._admission.tenant_keys import TenantKey, api_key_tenant
 from ._asgi.dependencies import gpu_admission, gpu_reservation
 from ._asgi.middleware import GPUAdmissionMiddleware
-from ._asgi.routes import RouteSpec, gpu_bound
+from ._asgi.routes import gpu_bound
 from ._device.executor import DeviceExecutor
 from ._device.policy import DeviceGuard, ThermalPolicy
 from ._device.probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe

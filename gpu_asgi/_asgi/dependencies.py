@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from starlette.requests import HTTPConnection
 
-from .._admission.gate import ADMISSION_STATE_KEY, Admission
+from .._admission.gate import Admission
 from .._ledger.contract import Reservation
+from .responder import ADMISSION_STATE_KEY
 
 
 def gpu_admission(request: HTTPConnection) -> Admission:

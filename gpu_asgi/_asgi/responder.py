@@ -3,23 +3,24 @@
 The router matches first and writes the endpoint it chose into the scope (Starlette's
 ``Router.app`` sets ``scope["route"]`` and ``scope["endpoint"]`` before ``route.handle``); the
 endpoint layer then reads the body. That first ``receive()`` is where admission happens: for a
-tagged endpoint the body is buffered, checked and its bytes reserved (or queued for) right there,
-and the same bytes are replayed; for an untagged one the server's messages pass untouched.
+tagged endpoint the gate reads the body, checks it and reserves its bytes (or queues for them)
+right there, and the same bytes are replayed; for an untagged one the server's messages pass
+untouched. The responder is the only part of gpu_asgi that sends: a refusal the gate raises is
+answered here, as problem+json.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
 
-from .._ledger.contract import Reservation
+from .._admission.gate import Admission, Gate, route_name
+from .._admission.spec import RouteSpec
+from .._device.policy import CLAMPED_HEADER
+from .._errors import ClientClosedRequest, GPUAdmissionError
 from .._types import Message, Receive, Scope, Send
-from .routes import RouteSpec, route_spec_of
-
-if TYPE_CHECKING:
-    from .._admission.gate import Granted
-    from .middleware import GPUAdmissionMiddleware
+from .problems import ProblemStyle, send_problem
+from .routes import route_spec_of
 
 #: Scope key set when a GPUAdmissionMiddleware takes a tagged request on: as it starts admitting
 #: (before it reads the body) or answers it itself. Another (nested) middleware's responder sees it
@@ -27,8 +28,17 @@ if TYPE_CHECKING:
 #: whose scope is left as it came. A flag, not the responder: the responder holds the scope, and a
 #: cycle would leave every request to the cyclic GC.
 ADMITTING_SCOPE_KEY = "gpu_asgi.admitting"
+#: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
+ADMISSION_STATE_KEY = "gpu_admission"
+RESERVATION_STATE_KEY = "gpu_reservation"
 
 _UNDECIDED, _PASS, _ADMITTED, _ANSWERED = range(4)
+
+logger = logging.getLogger("gpu_asgi")
+
+
+class _UnreadBody(GPUAdmissionError):
+    status, reason, title = 500, "route-not-admitted", "A GPU-bound route answered without being admitted"
 
 
 class Answered(BaseException):
@@ -68,42 +78,35 @@ def matched_spec(scope: Scope) -> RouteSpec | None:
 class Responder:
     """Per-request state; :meth:`receive` and :meth:`send` are what the app is given."""
 
-    __slots__ = (
-        "_body", "_clamp", "_entry_endpoint", "_middleware", "_pending", "_receive", "_reservation", "_scope", "_send",
-        "_state",
-    )
+    __slots__ = ("_admission", "_body", "_entry_endpoint", "_gate", "_receive", "_scope", "_send", "_state", "_style")
 
-    def __init__(self, middleware: GPUAdmissionMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
-        self._middleware = middleware
+    def __init__(self, gate: Gate, style: ProblemStyle, scope: Scope, receive: Receive, send: Send) -> None:
+        self._gate = gate
+        self._style = style
         self._scope = scope
         self._receive = receive
         self._send = send
         self._state = _UNDECIDED
         #: An outer router's choice (a parent's Mount names this app): not our router's decision.
         self._entry_endpoint = scope.get("endpoint")
-        self._reservation: Reservation | None = None
-        self._body: bytes | None = None
-        self._pending: asyncio.Future[Message] | None = None  # receive() still running from the queue wait
-        self._clamp: tuple[bytes, bytes] | None = None
+        self._admission: Admission | None = None
+        self._body: bytes | None = None  # the admitted body, until it is replayed
 
     async def admit(self, spec: RouteSpec) -> bool:
         """Admit now; False when gpu_asgi answered instead (or the client left)."""
-        return self._granted(await self._middleware.admit(spec, self._scope, self._receive, self._send))
-
-    def _granted(self, granted: Granted | None) -> bool:
-        if granted is None:
-            self._state = _ANSWERED
+        self._scope[ADMITTING_SCOPE_KEY] = True  # before the body read, which may pass through an outer middleware
+        try:
+            admission = await self._gate.admit(self._scope, self._receive, spec)
+        except GPUAdmissionError as error:
+            await self._refuse(error, spec)
             return False
-        self._reservation, self._body, self._pending, self._clamp = granted
-        self._state = _ADMITTED
+        self._admitted(admission)
         return True
 
     def finish(self) -> None:
-        """After the app has returned or failed: release (at most once) and stop listening."""
-        if self._reservation is not None:
-            self._reservation.release()
-        if self._pending is not None:
-            self._pending.cancel()
+        """After the app has returned or failed: release (at most once)."""
+        if self._admission is not None:
+            self._admission.reservation.release()
 
     def receive(self) -> Awaitable[Message]:
         """The app's ``receive``. Whatever can be decided without waiting is decided here, so an
@@ -131,15 +134,44 @@ class Responder:
             if state == _UNDECIDED and matched_spec(self._scope) is None:
                 self._state = _PASS  # an untagged endpoint (or none: a 404/405) answers
                 return self._send(message)
-            if state == _ADMITTED and self._clamp is None:
+            if state == _ADMITTED and self._admission.clamped_from is None:  # type: ignore[union-attr]
                 return self._send(message)  # the bytes are released at the last body chunk
         return self._send_watched(message)
 
     async def _admit_and_replay(self, spec: RouteSpec) -> Message:
         """A tagged endpoint's first read: admit, then hand it the body that admission read."""
-        if not self._granted(await self._middleware.admit(spec, self._scope, self._receive, self._send)):
-            raise Answered
+        self._scope[ADMITTING_SCOPE_KEY] = True
+        try:
+            admission = await self._gate.admit(self._scope, self._receive, spec)
+        except GPUAdmissionError as error:
+            await self._refuse(error, spec)
+            raise Answered from None
+        self._admitted(admission)
         return self._replay()
+
+    def _admitted(self, admission: Admission) -> None:
+        self._admission = admission
+        self._body = admission.body
+        self._state = _ADMITTED
+        state = self._scope.get("state")
+        if state is None:
+            self._scope["state"] = state = {}
+        state[ADMISSION_STATE_KEY] = admission
+        state[RESERVATION_STATE_KEY] = admission.reservation
+
+    async def _refuse(self, error: GPUAdmissionError, spec: RouteSpec | None) -> None:
+        """Answer the gate's refusal; from now on the app's reads raise :class:`Answered`."""
+        self._state = _ANSWERED
+        if not isinstance(error, ClientClosedRequest):
+            await self._style.send(self._send, error, spec, self._scope.get("path", ""))
+            return
+        # Nobody reads the answer to a client that left, but what records the request on its way
+        # out does: an access log, or an outer BaseHTTPMiddleware, whose call_next raises
+        # "No response returned." for a request that got none.
+        try:
+            await self._style.send(self._send, error, spec, self._scope.get("path", ""))
+        except OSError:  # ASGI lets a server raise on a closed connection; nobody is left to tell
+            pass
 
     def _replay(self) -> Message:
         body, self._body = self._body, None
@@ -151,9 +183,6 @@ class Responder:
             raise Answered
         if self._body is not None:
             return self._replay()
-        if self._pending is not None:
-            waiting, self._pending = self._pending, None
-            return await waiting
         # A disconnect does not release here: a model call may still be using the memory in
         # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
         # and finish() releases once the endpoint has really stopped.
@@ -162,12 +191,14 @@ class Responder:
     async def _send_watched(self, message: Message) -> None:
         state = self._state
         if state == _ADMITTED:
+            admission: Admission = self._admission  # type: ignore[assignment]
             kind = message["type"]
-            if self._clamp is not None and kind == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), self._clamp]}
+            if admission.clamped_from is not None and kind == "http.response.start":
+                clamp = (CLAMPED_HEADER, str(admission.max_new_tokens).encode("ascii"))
+                message = {**message, "headers": [*message.get("headers", ()), clamp]}
             await self._send(message)
             if (kind == "http.response.body" and not message.get("more_body", False)) or kind == "http.response.pathsend":
-                self._reservation.release()  # type: ignore[union-attr]
+                admission.reservation.release()
             return
         if state == _UNDECIDED and message["type"] == "http.response.start":  # a tagged endpoint, body unread
             if message["status"] >= 400:
@@ -178,8 +209,21 @@ class Responder:
                 await self._send(message)
                 return
             self._state = _ANSWERED
-            await self._middleware.answer_unread(self._scope, self._send)
+            await self._answer_unread()
             raise Answered
         if state == _ANSWERED:
             return  # gpu_asgi has answered already; whatever the app sends after is dropped
         await self._send(message)
+
+    async def _answer_unread(self) -> None:
+        """A tagged endpoint started its response without reading its body (or its body was read
+        before the router ran, by something inside the app), so it ran unadmitted."""
+        scope = self._scope
+        scope[ADMITTING_SCOPE_KEY] = True  # this answer is ours: an outer middleware passes it through
+        route = route_name(scope)
+        logger.error("%s is tagged @gpu_bound but answered without reading its body: it ran unadmitted", route)
+        error = _UnreadBody(
+            f"{route} is tagged @gpu_bound but its endpoint answered without reading the request body "
+            "after routing; admission happens at that read (FastAPI: declare a body parameter)."
+        )
+        await send_problem(send=self._send, error=error, instance=scope.get("path", ""))
