@@ -111,7 +111,7 @@ async def test_a_tagged_read_reaches_the_ledger_through_admit_and_reserve_alone(
     server = Server(json.dumps({"prompt": "hello there", "max_new_tokens": 4}).encode())
     await app(http_scope("/generate"), server.receive, server.send)
     assert response_of(server)[0] == 200
-    assert chains == [["Gate._reserve", "Gate.admit", "Responder._admit_and_replay"]]
+    assert chains == [["Gate._reserve", "Gate.admit", "Responder._admit", "Responder._admit_and_replay"]]
 
 
 async def test_the_admission_steps_benchmark_runs_on_this_code() -> None:

@@ -212,6 +212,7 @@ async def test_only_http_scopes_are_admitted_even_when_their_path_and_method_are
     async def inner(scope: dict[str, Any], receive: Any, send: Any) -> None:
         seen.append(scope["type"])
         if scope["type"] == "http":
+            await receive()  # a path named in routes= is admitted at this read
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
 
@@ -858,8 +859,10 @@ async def test_an_integer_too_long_for_python_is_our_400_on_fastapi_too_and_the_
 
     @app.post("/generate")
     @gpu_bound()
-    async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
-        return {"held": reservation.nbytes}
+    async def generate(payload: dict[str, Any], request: Request) -> dict[str, Any]:
+        # No Depends(gpu_reservation): admitted at FastAPI's body read, which gpu_asgi answers
+        # (with the dependency, FastAPI's own checks come first: tests/test_endpoint_shapes.py).
+        return {"held": request.state.gpu_reservation.nbytes}
 
     digits = sys.get_int_max_str_digits() + 1
     body = b'{"prompt": "a b", "seed": ' + b"7" * digits + b"}"
@@ -1182,8 +1185,10 @@ def route_with_body_limit(framework: str, ledger: Ledger, max_body_size: int) ->
 
         @app.post("/generate", max_body_size=max_body_size)
         @gpu_bound()
-        async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
-            return {"held": reservation.nbytes}
+        async def generate(payload: dict[str, Any], request: Request) -> dict[str, Any]:
+            # Admitted at FastAPI's body read (no Depends(gpu_reservation), which would defer
+            # admission behind the route's own limiter, whose 413 then answers first).
+            return {"held": request.state.gpu_reservation.nbytes}
 
     app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
     return app

@@ -118,14 +118,12 @@ class GPUAdmissionMiddleware:
             if scope["method"] not in BODYLESS_METHODS:
                 # Watched: the app gets receive/send wrapped by a Responder; the router picks the
                 # endpoint, and a tagged one is admitted at its first body read.
-                responder = Responder(self._gate, self._style, scope, receive, send)
-                if self._explicit:
-                    spec = self._explicit.get(_route_path(scope))
-                    if (
-                        spec is not None and scope["method"] in spec.methods and ADMITTING_SCOPE_KEY not in scope
-                        and not await responder.admit(spec)
-                    ):
-                        return
+                # A path named in routes= is admitted at the app's first body read, like a tagged
+                # endpoint: what the app answers before reading (its auth, a 404, a 405) passes.
+                spec = self._explicit.get(_route_path(scope)) if self._explicit else None
+                if spec is not None and (scope["method"] not in spec.methods or ADMITTING_SCOPE_KEY in scope):
+                    spec = None
+                responder = Responder(self._gate, self._style, scope, receive, send, spec)
                 try:
                     await self.app(scope, responder.receive, responder.send)
                 except BaseException as error:

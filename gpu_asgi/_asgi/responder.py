@@ -5,8 +5,10 @@ The router matches first and writes the endpoint it chose into the scope (Starle
 endpoint layer then reads the body. That first ``receive()`` is where admission happens: for a
 tagged endpoint the gate reads the body, checks it and reserves its bytes (or queues for them)
 right there, and the same bytes are replayed; for an untagged one the server's messages pass
-untouched. The responder is the only part of gpu_asgi that sends: a refusal the gate raises is
-answered here, as problem+json.
+untouched. A FastAPI endpoint that declares ``Depends(gpu_admission)``/``Depends(gpu_reservation)``
+is admitted when that dependency runs instead (its reads pass through, kept for the gate), so the
+dependencies declared before it, such as auth, answer first. The responder is the only part of
+gpu_asgi that sends: a refusal the gate raises is answered here, as problem+json.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .._admission.spec import RouteSpec
 from .._device.policy import CLAMPED_HEADER
 from .._errors import ClientClosedRequest, GPUAdmissionError
 from .._types import Message, Receive, Scope, Send
+from .dependencies import ADMISSION_STATE_KEY, ADMIT_SCOPE_KEY, RESERVATION_STATE_KEY, declares_admission
 from .problems import ProblemStyle, send_problem
 from .routes import route_spec_of
 
@@ -28,11 +31,10 @@ from .routes import route_spec_of
 #: whose scope is left as it came. A flag, not the responder: the responder holds the scope, and a
 #: cycle would leave every request to the cyclic GC.
 ADMITTING_SCOPE_KEY = "gpu_asgi.admitting"
-#: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
-ADMISSION_STATE_KEY = "gpu_admission"
-RESERVATION_STATE_KEY = "gpu_reservation"
 
-_UNDECIDED, _PASS, _ADMITTED, _ANSWERED = range(4)
+#: Where a request stands: not routed to anything of ours yet; passed through for good; tagged,
+#: waiting for its dependency to admit it; admitted; answered by gpu_asgi.
+_UNDECIDED, _PASS, _DEFERRED, _ADMITTED, _ANSWERED = range(5)
 
 logger = logging.getLogger("gpu_asgi")
 
@@ -76,35 +78,40 @@ def matched_spec(scope: Scope) -> RouteSpec | None:
 
 
 class Responder:
-    """Per-request state; :meth:`receive` and :meth:`send` are what the app is given."""
+    """Per-request state; :meth:`receive` and :meth:`send` are what the app is given.
 
-    __slots__ = ("_admission", "_body", "_entry_endpoint", "_gate", "_receive", "_scope", "_send", "_state", "_style")
+    ``spec``: the route's spec when the host named the path in ``routes=`` (the app behind it has
+    no router gpu_asgi can see); else the router's choice decides, at the first read.
+    """
 
-    def __init__(self, gate: Gate, style: ProblemStyle, scope: Scope, receive: Receive, send: Send) -> None:
+    __slots__ = (
+        "_admission", "_body", "_entry_endpoint", "_gate", "_read", "_read_all", "_receive", "_scope", "_send", "_spec",
+        "_state", "_style",
+    )
+
+    def __init__(
+        self, gate: Gate, style: ProblemStyle, scope: Scope, receive: Receive, send: Send, spec: RouteSpec | None = None
+    ) -> None:
         self._gate = gate
         self._style = style
         self._scope = scope
         self._receive = receive
         self._send = send
+        self._spec = spec
+        if spec is not None:
+            scope[ADMITTING_SCOPE_KEY] = True  # ours, whatever router sits behind: no one else admits it
         self._state = _UNDECIDED
         #: An outer router's choice (a parent's Mount names this app): not our router's decision.
         self._entry_endpoint = scope.get("endpoint")
         self._admission: Admission | None = None
-        self._body: bytes | None = None  # the admitted body, until it is replayed
-
-    async def admit(self, spec: RouteSpec) -> bool:
-        """Admit now; False when gpu_asgi answered instead (or the client left)."""
-        self._scope[ADMITTING_SCOPE_KEY] = True  # before the body read, which may pass through an outer middleware
-        try:
-            admission = await self._gate.admit(self._scope, self._receive, spec)
-        except GPUAdmissionError as error:
-            await self._refuse(error, spec)
-            return False
-        self._admitted(admission)
-        return True
+        self._body: bytes | None = None  # body bytes still to hand to the app
+        self._read: list[bytes] = []  # what the app read while admission was deferred
+        self._read_all = False  # ... and whether that was the whole body
 
     def finish(self) -> None:
         """After the app has returned or failed: release (at most once)."""
+        if self._state == _DEFERRED:
+            self._scope.pop(ADMIT_SCOPE_KEY, None)  # it holds this responder: no cycle left behind
         if self._admission is not None:
             self._admission.reservation.release()
 
@@ -113,8 +120,11 @@ class Responder:
         untagged request gets the server's own call, with no coroutine of ours in between."""
         state = self._state
         if state == _UNDECIDED:
-            spec = matched_spec(self._scope)
+            spec = self._spec if self._spec is not None else matched_spec(self._scope)
             if spec is not None:
+                if declares_admission(self._scope.get("route")):
+                    self._defer(spec)
+                    return self._receive_deferred()
                 return self._admit_and_replay(spec)
             if self._scope.get("endpoint") is not self._entry_endpoint:
                 self._state = _PASS  # routed to an untagged endpoint: step aside for good
@@ -123,6 +133,8 @@ class Responder:
             return self._receive()
         if state == _PASS:
             return self._receive()
+        if state == _DEFERRED:
+            return self._receive_deferred()
         return self._receive_watched()
 
     def send(self, message: Message) -> Awaitable[None]:
@@ -131,7 +143,7 @@ class Responder:
         if state == _PASS:
             return self._send(message)
         if message["type"] == "http.response.start":
-            if state == _UNDECIDED and matched_spec(self._scope) is None:
+            if state == _UNDECIDED and self._spec is None and matched_spec(self._scope) is None:
                 self._state = _PASS  # an untagged endpoint (or none: a 404/405) answers
                 return self._send(message)
             if state == _ADMITTED and self._admission.clamped_from is None:  # type: ignore[union-attr]
@@ -141,15 +153,16 @@ class Responder:
     async def _admit_and_replay(self, spec: RouteSpec) -> Message:
         """A tagged endpoint's first read: admit, then hand it the body that admission read."""
         self._scope[ADMITTING_SCOPE_KEY] = True
+        await self._admit(self._receive, spec)
+        return await self._receive_watched()
+
+    async def _admit(self, receive: Receive, spec: RouteSpec) -> Admission:
+        """Admit through the gate; a refusal is answered here and ends the app (:class:`Answered`)."""
         try:
-            admission = await self._gate.admit(self._scope, self._receive, spec)
+            admission = await self._gate.admit(self._scope, receive, spec)
         except GPUAdmissionError as error:
             await self._refuse(error, spec)
             raise Answered from None
-        self._admitted(admission)
-        return self._replay()
-
-    def _admitted(self, admission: Admission) -> None:
         self._admission = admission
         self._body = admission.body
         self._state = _ADMITTED
@@ -158,6 +171,40 @@ class Responder:
             self._scope["state"] = state = {}
         state[ADMISSION_STATE_KEY] = admission
         state[RESERVATION_STATE_KEY] = admission.reservation
+        return admission
+
+    def _defer(self, spec: RouteSpec) -> None:
+        """Leave admission to the endpoint's dependency: its ``admit()`` goes in the scope."""
+        scope = self._scope
+        scope[ADMITTING_SCOPE_KEY] = True
+        self._state = _DEFERRED
+
+        async def admit() -> Admission:
+            read, complete = b"".join(self._read), self._read_all
+            replayed = False
+
+            async def receive() -> Message:  # what the app has read already, then the server
+                nonlocal replayed
+                if replayed:
+                    return await self._receive()
+                replayed = True
+                return {"type": "http.request", "body": read, "more_body": not complete}
+
+            scope.pop(ADMIT_SCOPE_KEY, None)
+            admission = await self._admit(receive, spec)
+            # The app has the bytes it read: it gets only the rest of the body, if any.
+            self._body = None if complete else admission.body[len(read):]
+            return admission
+
+        scope[ADMIT_SCOPE_KEY] = admit
+
+    async def _receive_deferred(self) -> Message:
+        """A read before the dependency admits: the server's message, whose body is kept for it."""
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self._read.append(message.get("body", b""))
+            self._read_all = not message.get("more_body", False)
+        return message
 
     async def _refuse(self, error: GPUAdmissionError, spec: RouteSpec | None) -> None:
         """Answer the gate's refusal; from now on the app's reads raise :class:`Answered`."""
@@ -173,16 +220,13 @@ class Responder:
         except OSError:  # ASGI lets a server raise on a closed connection; nobody is left to tell
             pass
 
-    def _replay(self) -> Message:
-        body, self._body = self._body, None
-        return {"type": "http.request", "body": body, "more_body": False}
-
     async def _receive_watched(self) -> Message:
         """Reads after admission (or after gpu_asgi answered)."""
         if self._state == _ANSWERED:
             raise Answered
         if self._body is not None:
-            return self._replay()
+            body, self._body = self._body, None
+            return {"type": "http.request", "body": body, "more_body": False}
         # A disconnect does not release here: a model call may still be using the memory in
         # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
         # and finish() releases once the endpoint has really stopped.
@@ -200,11 +244,14 @@ class Responder:
             if (kind == "http.response.body" and not message.get("more_body", False)) or kind == "http.response.pathsend":
                 admission.reservation.release()
             return
-        if state == _UNDECIDED and message["type"] == "http.response.start":  # a tagged endpoint, body unread
-            if message["status"] >= 400:
-                # Refused on its way to the endpoint, before the body read: a dependency (401),
-                # Starlette's per-route body limit (413), an exception handler. The endpoint's work
-                # did not run and nothing is reserved: the answer is theirs, untouched.
+        if state in (_UNDECIDED, _DEFERRED) and message["type"] == "http.response.start":  # tagged, not admitted
+            if message["status"] >= 400 or (self._spec is not None and state == _UNDECIDED):
+                # Refused on its way to the endpoint, before admission: a dependency (401),
+                # Starlette's per-route body limit (413), an exception handler; or, behind
+                # routes=, the app answered without reading the body (its API-key check, a
+                # 404, a 405). Its work did not run and nothing is reserved: the answer is theirs.
+                if state == _DEFERRED:
+                    self._scope.pop(ADMIT_SCOPE_KEY, None)
                 self._state = _PASS
                 await self._send(message)
                 return
@@ -216,14 +263,15 @@ class Responder:
         await self._send(message)
 
     async def _answer_unread(self) -> None:
-        """A tagged endpoint started its response without reading its body (or its body was read
-        before the router ran, by something inside the app), so it ran unadmitted."""
+        """A tagged endpoint started its response without being admitted: it did not read its body
+        (or its body was read before the router ran, by something inside the app), or its
+        ``Depends(gpu_admission)`` did not run."""
         scope = self._scope
         scope[ADMITTING_SCOPE_KEY] = True  # this answer is ours: an outer middleware passes it through
         route = route_name(scope)
         logger.error("%s is tagged @gpu_bound but answered without reading its body: it ran unadmitted", route)
         error = _UnreadBody(
             f"{route} is tagged @gpu_bound but its endpoint answered without reading the request body "
-            "after routing; admission happens at that read (FastAPI: declare a body parameter)."
+            "after routing; admission happens at that read, or in Depends(gpu_admission)/Depends(gpu_reservation)."
         )
         await send_problem(send=self._send, error=error, instance=scope.get("path", ""))
