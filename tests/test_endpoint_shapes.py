@@ -10,6 +10,7 @@ never queues, and behind ``routes=`` the app's own 401/404/405 answer at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -21,7 +22,7 @@ from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.endpoints import HTTPEndpoint
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from gpu_asgi import (
@@ -38,7 +39,7 @@ from gpu_asgi import (
     gpu_reservation,
 )
 
-from ._asgi import Words, client
+from ._asgi import RawClient, Words, client, http_scope, wait_until
 
 BUDGET = 10_000
 BYTES_PER_TOKEN = 10
@@ -262,14 +263,28 @@ async def test_a_refusal_in_the_dependency_is_gpu_asgis_answer_with_retry_after(
     assert held(ledger) == 0
 
 
-async def test_with_the_dependency_the_apps_own_body_checks_answer_first_and_nothing_is_reserved() -> None:
-    """FastAPI parses the JSON body before it resolves dependencies: its own 422 comes before admission."""
+async def test_with_the_dependency_the_body_read_still_gets_gpu_asgis_limits_and_nothing_is_reserved() -> None:
+    """Admission waits for the dependency, but FastAPI's body read is still checked as it arrives:
+    the size limit (the app never buffers more) and the JSON, which FastAPI checks before any
+    dependency too. gpu_asgi answers those, and nothing is asked of the ledger."""
     ledger = SpyLedger(BUDGET)
-    app = depends(gpu_reservation, True)(ledger, True, False)
+    app = FastAPI()
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=LinearEstimator(bytes_per_token=BYTES_PER_TOKEN),
+                       token_counter=Words(), max_body_bytes=100)
+
+    @app.post("/gen")
+    @gpu_bound()
+    async def gen(body: GenerateIn, key: Annotated[str, Depends(check_key)],
+                  reservation: Annotated[Reservation, Depends(gpu_reservation)]) -> dict[str, int]:
+        return {"held": reservation.nbytes}
+
     async with client(app) as http:
-        response = await http.post("/gen", content=b"{not json", headers={"content-type": "application/json"})
-    assert response.status_code == 422 and response.headers["content-type"] == "application/json"
-    assert response.json()["detail"][0]["type"] == "json_invalid"  # FastAPI's answer, not gpu_asgi's
+        bad_json = await http.post("/gen", content=b"{not json", headers={"content-type": "application/json"})
+        too_large = await http.post("/gen", json={"prompt": "a " * 100}, headers={"x-api-key": KEY})
+        no_key = await http.post("/gen", json=SMALL)
+    assert bad_json.status_code == 400 and bad_json.headers["x-gpu-admission-reason"] == "invalid-json"
+    assert too_large.status_code == 413 and too_large.headers["x-gpu-admission-reason"] == "body-too-large"
+    assert no_key.status_code == 401
     assert ledger.asked == []
 
 
@@ -409,3 +424,49 @@ async def test_an_overridden_gpu_dependency_leaves_admission_at_the_body_read() 
         served = await http.post("/gen", json=SMALL)
     assert served.status_code == 200 and served.json()["held"] == SMALL_BYTES, served.text
     assert held(ledger) == 0
+
+
+async def test_a_client_that_leaves_while_its_dependency_queues_is_never_admitted() -> None:
+    ledger = Ledger(BUDGET)
+    hold = ledger.try_reserve(BUDGET)
+    called: list[bool] = []
+    app = fastapi_app(ledger)
+
+    @app.post("/gen")
+    @gpu_bound()
+    async def gen(request: Request, reservation: Annotated[Reservation, Depends(gpu_reservation)]) -> dict[str, int]:
+        called.append(True)
+        return {"held": reservation.nbytes}
+
+    raw = RawClient(app, http_scope("/gen"), [json.dumps(SMALL).encode()]).start()
+    await wait_until(lambda: ledger.statistics().waiting == 1)
+    raw.disconnect()
+    await raw.finish()
+    assert raw.status == 499 and not called
+    assert ledger.statistics().waiting == 0
+    assert hold is not None
+    hold.release()
+    assert held(ledger) == 0 and ledger.statistics().admitted_total == 1  # only the holder
+
+
+async def test_a_stream_admitted_by_its_dependency_holds_the_bytes_to_the_last_chunk() -> None:
+    ledger = Ledger(BUDGET)
+    app = fastapi_app(ledger)
+    seen: list[int] = []
+
+    @app.post("/gen")
+    @gpu_bound()
+    async def gen(request: Request, reservation: Annotated[Reservation, Depends(gpu_reservation)]) -> StreamingResponse:
+        prompt = (await request.json())["prompt"]
+
+        async def chunks() -> Any:
+            for word in prompt.split():
+                seen.append(held(ledger))
+                yield word.encode()
+
+        return StreamingResponse(chunks())
+
+    raw = RawClient(app, http_scope("/gen"), [json.dumps(SMALL).encode()]).start()
+    await raw.finish()
+    assert raw.status == 200 and raw.body == b"helloworld"
+    assert seen == [SMALL_BYTES, SMALL_BYTES] and held(ledger) == 0

@@ -859,10 +859,8 @@ async def test_an_integer_too_long_for_python_is_our_400_on_fastapi_too_and_the_
 
     @app.post("/generate")
     @gpu_bound()
-    async def generate(payload: dict[str, Any], request: Request) -> dict[str, Any]:
-        # No Depends(gpu_reservation): admitted at FastAPI's body read, which gpu_asgi answers
-        # (with the dependency, FastAPI's own checks come first: tests/test_endpoint_shapes.py).
-        return {"held": request.state.gpu_reservation.nbytes}
+    async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
+        return {"held": reservation.nbytes}
 
     digits = sys.get_int_max_str_digits() + 1
     body = b'{"prompt": "a b", "seed": ' + b"7" * digits + b"}"
@@ -1185,10 +1183,8 @@ def route_with_body_limit(framework: str, ledger: Ledger, max_body_size: int) ->
 
         @app.post("/generate", max_body_size=max_body_size)
         @gpu_bound()
-        async def generate(payload: dict[str, Any], request: Request) -> dict[str, Any]:
-            # Admitted at FastAPI's body read (no Depends(gpu_reservation), which would defer
-            # admission behind the route's own limiter, whose 413 then answers first).
-            return {"held": request.state.gpu_reservation.nbytes}
+        async def generate(payload: dict[str, Any], reservation: Reservation = Depends(gpu_reservation)) -> dict[str, Any]:
+            return {"held": reservation.nbytes}
 
     app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=ONE_BYTE_PER_TOKEN, token_counter=Counter())
     return app

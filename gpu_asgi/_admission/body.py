@@ -122,7 +122,7 @@ def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str] | None 
 
     ``route()`` names the route in errors from the route's own prompt callable.
     """
-    data = _load_json(body)
+    data = json_object(body)
     prompts = _extract_prompts(data, spec, route)
     return ParsedRequest(prompts, _max_new_tokens(data, spec), _n(data, spec), _sampling(data), data)
 
@@ -178,7 +178,8 @@ else:
     load_json = _load_json_orjson
 
 
-def _load_json(body: bytes) -> dict[str, Any]:
+def json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or :class:`InvalidJSON`/:class:`InvalidField` saying what is wrong."""
     data = load_json(body)
     if not isinstance(data, dict):
         raise InvalidField(f"The JSON body must be an object, not {_json_type(data)}.")

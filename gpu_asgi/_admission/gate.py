@@ -25,7 +25,15 @@ from .._ledger.tenants import DEFAULT_TENANT
 from .._observe import tracing as otel
 from .._observe.labels import tenant_label
 from .._types import Receive, Scope
-from .body import MAX_BODY_SIZE_SCOPE_KEY, ParsedRequest, check_headers, client_wait, parse_request, read_body
+from .body import (
+    MAX_BODY_SIZE_SCOPE_KEY,
+    ParsedRequest,
+    check_headers,
+    client_wait,
+    json_object,
+    parse_request,
+    read_body,
+)
 from .queue import check_device, trusted_devices, wait
 from .spec import RouteSpec
 from .tenant_keys import TenantKey, find_tenant
@@ -130,27 +138,9 @@ class Gate:
         Raises the refusal (:class:`ClientClosedRequest` when the client left first); nothing is
         reserved then.
         """
+        self._start()
         try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            raise RuntimeError(ASYNCIO_ONLY) from None
-        metrics = self.metrics
-        if metrics is not None:
-            metrics.ensure_refreshing()
-        if self.sampler is not None:
-            self.sampler.ensure_started()
-        try:
-            max_bytes = self.max_body_bytes
-            if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see body): the smaller applies
-                max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
-            raw_timeout = check_headers(scope, max_bytes)
-            # Seconds this request waits in the queue at most (None: the ledger's max_wait).
-            wait_limit = spec.max_client_wait
-            if raw_timeout is not None:
-                wait_limit = client_wait(raw_timeout, self._wait_cap() if wait_limit is None else wait_limit)
-            body = await read_body(receive, max_bytes, self.body_timeout)
-            if body is None:
-                raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
+            body, wait_limit = await self._read(scope, receive, spec)
             request = parse_request(body, spec, lambda: route_name(scope))
             max_new_tokens, clamped_from = self._clamped(request.max_new_tokens, spec)
             prompt_tokens = await self._count(request)
@@ -164,8 +154,7 @@ class Gate:
                 tenant = find_tenant(keys, scope, request.data)  # type: ignore[arg-type]  # a tuple since RouteSpec.__post_init__
                 label = tenant_label(tenant, self.tenant_labels)
         except GPUAdmissionError as error:
-            if metrics is not None and not isinstance(error, ClientClosedRequest):
-                metrics.record_rejection(error.reason)
+            self._count_refusal(error)
             raise
         span = self.tracer.start_span(otel.QUEUE_WAIT_SPAN)  # not made current: the endpoint's spans are siblings
         if span.is_recording():
@@ -174,9 +163,53 @@ class Gate:
             ))
         reservation = await self._reserve(span, nbytes, spec, receive, wait_limit, tenant, label)
         return Admission(
-            reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics, estimator,
+            reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, self.metrics, estimator,
             request.sampling, body,
         )
+
+    async def read(self, scope: Scope, receive: Receive) -> bytes:
+        """The body as an app may be handed it before admission: headers checked, within the size
+        and time limits, a JSON object. For a request admitted later (:meth:`admit` on these bytes),
+        so what protects the server (limits) and what FastAPI checks first (JSON) hold at the read."""
+        self._start()
+        try:
+            body, _ = await self._read(scope, receive, None)
+            json_object(body)
+        except GPUAdmissionError as error:
+            self._count_refusal(error)
+            raise
+        return body
+
+    def _start(self) -> None:
+        """Once per request: on asyncio, with the metrics and device readings running."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(ASYNCIO_ONLY) from None
+        if self.metrics is not None:
+            self.metrics.ensure_refreshing()
+        if self.sampler is not None:
+            self.sampler.ensure_started()
+
+    async def _read(self, scope: Scope, receive: Receive, spec: RouteSpec | None) -> tuple[bytes, float | None]:
+        """The whole body under the limits, and the seconds the request may wait in the queue
+        (the route's and the client's ``x-request-timeout``; None: the ledger's ``max_wait``).
+        Everything the headers alone refuse is refused before a byte is read."""
+        max_bytes = self.max_body_bytes
+        if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see body): the smaller applies
+            max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
+        raw_timeout = check_headers(scope, max_bytes)
+        wait_limit = None if spec is None else spec.max_client_wait
+        if raw_timeout is not None:
+            wait_limit = client_wait(raw_timeout, self._wait_cap() if wait_limit is None else wait_limit)
+        body = await read_body(receive, max_bytes, self.body_timeout)
+        if body is None:
+            raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
+        return body, wait_limit
+
+    def _count_refusal(self, error: GPUAdmissionError) -> None:
+        if self.metrics is not None and not isinstance(error, ClientClosedRequest):
+            self.metrics.record_rejection(error.reason)
 
     def _clamped(self, max_new_tokens: int, spec: RouteSpec) -> tuple[int, int | None]:
         """``max_new_tokens`` under the thermal policy's limit, and the value asked for when lowered."""

@@ -6,8 +6,9 @@ endpoint layer then reads the body. That first ``receive()`` is where admission 
 tagged endpoint the gate reads the body, checks it and reserves its bytes (or queues for them)
 right there, and the same bytes are replayed; for an untagged one the server's messages pass
 untouched. A FastAPI endpoint that declares ``Depends(gpu_admission)``/``Depends(gpu_reservation)``
-is admitted when that dependency runs instead (its reads pass through, kept for the gate), so the
-dependencies declared before it, such as auth, answer first. The responder is the only part of
+is admitted when that dependency runs instead (its body read checks only the limits and the JSON,
+and keeps the bytes for the gate), so the dependencies declared before it, such as auth, answer
+first. The responder is the only part of
 gpu_asgi that sends: a refusal the gate raises is answered here, as problem+json.
 """
 
@@ -85,8 +86,8 @@ class Responder:
     """
 
     __slots__ = (
-        "_admission", "_body", "_entry_endpoint", "_gate", "_read", "_read_all", "_receive", "_scope", "_send", "_spec",
-        "_state", "_style",
+        "_admission", "_body", "_entry_endpoint", "_gate", "_read", "_receive", "_scope", "_send", "_spec", "_state",
+        "_style",
     )
 
     def __init__(
@@ -105,12 +106,11 @@ class Responder:
         self._entry_endpoint = scope.get("endpoint")
         self._admission: Admission | None = None
         self._body: bytes | None = None  # body bytes still to hand to the app
-        self._read: list[bytes] = []  # what the app read while admission was deferred
-        self._read_all = False  # ... and whether that was the whole body
+        self._read: bytes | None = None  # the body the app read while admission was deferred
 
     def finish(self) -> None:
         """After the app has returned or failed: release (at most once)."""
-        if self._state == _DEFERRED:
+        if self._spec is not None:
             self._scope.pop(ADMIT_SCOPE_KEY, None)  # it holds this responder: no cycle left behind
         if self._admission is not None:
             self._admission.reservation.release()
@@ -124,7 +124,7 @@ class Responder:
             if spec is not None:
                 if declares_admission(self._scope.get("route")):
                     self._defer(spec)
-                    return self._receive_deferred()
+                    return self._read_deferred()
                 return self._admit_and_replay(spec)
             if self._scope.get("endpoint") is not self._entry_endpoint:
                 self._state = _PASS  # routed to an untagged endpoint: step aside for good
@@ -134,7 +134,7 @@ class Responder:
         if state == _PASS:
             return self._receive()
         if state == _DEFERRED:
-            return self._receive_deferred()
+            return self._read_deferred() if self._read is None else self._receive()
         return self._receive_watched()
 
     def send(self, message: Message) -> Awaitable[None]:
@@ -177,34 +177,40 @@ class Responder:
         """Leave admission to the endpoint's dependency: its ``admit()`` goes in the scope."""
         scope = self._scope
         scope[ADMITTING_SCOPE_KEY] = True
+        self._spec = spec
         self._state = _DEFERRED
 
         async def admit() -> Admission:
-            read, complete = b"".join(self._read), self._read_all
+            if self._admission is not None:
+                return self._admission
+            read = self._read
+            if read is None:  # the app has not read the body: the gate does, and the app gets it replayed
+                return await self._admit(self._receive, spec)
             replayed = False
 
-            async def receive() -> Message:  # what the app has read already, then the server
+            async def receive() -> Message:  # the body the app has already, then the server's messages
                 nonlocal replayed
                 if replayed:
                     return await self._receive()
                 replayed = True
-                return {"type": "http.request", "body": read, "more_body": not complete}
+                return {"type": "http.request", "body": read, "more_body": False}
 
-            scope.pop(ADMIT_SCOPE_KEY, None)
             admission = await self._admit(receive, spec)
-            # The app has the bytes it read: it gets only the rest of the body, if any.
-            self._body = None if complete else admission.body[len(read):]
+            self._body = None  # the app has these bytes already
             return admission
 
         scope[ADMIT_SCOPE_KEY] = admit
 
-    async def _receive_deferred(self) -> Message:
-        """A read before the dependency admits: the server's message, whose body is kept for it."""
-        message = await self._receive()
-        if message["type"] == "http.request":
-            self._read.append(message.get("body", b""))
-            self._read_all = not message.get("more_body", False)
-        return message
+    async def _read_deferred(self) -> Message:
+        """The app's first read before its dependency admits: the whole body, under the gate's
+        limits (size, time, media type, JSON), kept for the admission to come."""
+        try:
+            body = await self._gate.read(self._scope, self._receive)
+        except GPUAdmissionError as error:
+            await self._refuse(error, self._spec)
+            raise Answered from None
+        self._read = body
+        return {"type": "http.request", "body": body, "more_body": False}
 
     async def _refuse(self, error: GPUAdmissionError, spec: RouteSpec | None) -> None:
         """Answer the gate's refusal; from now on the app's reads raise :class:`Answered`."""
@@ -250,8 +256,6 @@ class Responder:
                 # Starlette's per-route body limit (413), an exception handler; or, behind
                 # routes=, the app answered without reading the body (its API-key check, a
                 # 404, a 405). Its work did not run and nothing is reserved: the answer is theirs.
-                if state == _DEFERRED:
-                    self._scope.pop(ADMIT_SCOPE_KEY, None)
                 self._state = _PASS
                 await self._send(message)
                 return
