@@ -94,7 +94,11 @@ def route_name(scope: Scope) -> str:
 
 
 class Gate:
-    """Admission for one middleware, built once from what it needs; :meth:`admit` per request."""
+    """Admission for one middleware, built once from what it needs.
+
+    :meth:`admit` per request; :meth:`read` first for a request whose admission waits for its
+    endpoint's dependency (the app reads the body before that).
+    """
 
     def __init__(
         self,
