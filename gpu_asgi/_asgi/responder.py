@@ -153,8 +153,9 @@ class Responder:
     async def _admit_and_replay(self, spec: RouteSpec) -> Message:
         """A tagged endpoint's first read: admit, then hand it the body that admission read."""
         self._scope[ADMITTING_SCOPE_KEY] = True
-        await self._admit(self._receive, spec)
-        return await self._receive_watched()
+        admission = await self._admit(self._receive, spec)
+        self._body = None
+        return {"type": "http.request", "body": admission.body, "more_body": False}
 
     async def _admit(self, receive: Receive, spec: RouteSpec) -> Admission:
         """Admit through the gate; a refusal is answered here and ends the app (:class:`Answered`)."""
