@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from . import _errors
 from ._admission.gate import Admission
+from ._admission.spec import RouteSpec
 from ._admission.tenant_keys import TenantKey, api_key_tenant
 from ._asgi.dependencies import gpu_admission, gpu_reservation
 from ._asgi.middleware import GPUAdmissionMiddleware
-from ._asgi.routes import RouteSpec, gpu_bound
+from ._asgi.routes import gpu_bound
 from ._device.executor import DeviceExecutor, StopOnCancel, stop_requested
 from ._device.policy import DeviceGuard, ThermalPolicy
 from ._device.probe import DeviceReading, NoDeviceProbe, NVMLProbe, Probe, TorchProbe, auto_probe

@@ -49,7 +49,7 @@ def probe_keys(run: str) -> dict[str, str]:
 @gpu_bound()
 async def work(request: Request) -> JSONResponse:
     body = await request.json()
-    reservation = gpu_reservation(request)
+    reservation = await gpu_reservation(request)
     keys = probe_keys(body["run"])
     pid = os.getpid()
     await add_and_track(keys=[keys["now"], keys["max"]], args=[reservation.nbytes])

@@ -1,4 +1,4 @@
-"""Body reading under deadlines (one sweep per loop), headers and JSON as FastAPI reads them."""
+"""Body reading under a deadline, headers and JSON as FastAPI reads them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 
 from gpu_asgi import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, RouteSpec
 from gpu_asgi._admission.body import check_headers, parse_request, read_body
-from gpu_asgi._admission.body_timer import Deadlines
 
 from ._asgi import http_scope
 
@@ -21,12 +20,10 @@ async def never() -> dict[str, object]:
 
 
 async def test_a_read_past_its_deadline_times_out_and_the_task_goes_on() -> None:
-    deadlines = Deadlines(tick=0.01)
     with pytest.raises(BodyTimeout):
-        await read_body(never, 100, 0.03, deadlines)
-    await asyncio.sleep(0.05)  # the task was uncancelled: it keeps running normally
+        await read_body(never, 100, 0.03)
+    await asyncio.sleep(0.01)  # the timer's cancellation was its own: the task keeps running normally
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
-    assert not deadlines.sweep()._entries and not deadlines.sweep()._fired
 
 
 async def test_an_outside_cancellation_is_not_turned_into_a_timeout() -> None:
@@ -36,26 +33,21 @@ async def test_an_outside_cancellation_is_not_turned_into_a_timeout() -> None:
         started.set()
         return await never()
 
-    deadlines = Deadlines(tick=0.01)
-    task = asyncio.ensure_future(read_body(receive, 100, 10.0, deadlines))
+    task = asyncio.ensure_future(read_body(receive, 100, 10.0))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert not deadlines.sweep()._entries
 
 
-async def test_fast_reads_are_not_touched_by_the_reaper() -> None:
-    deadlines = Deadlines(tick=0.01)
+async def test_a_body_in_several_chunks_is_joined() -> None:
     messages = iter([{"type": "http.request", "body": b"ab", "more_body": True},
                      {"type": "http.request", "body": b"cd", "more_body": False}])
 
     async def receive() -> dict[str, object]:
         return next(messages)
 
-    assert await read_body(receive, 100, 0.01, deadlines) == b"abcd"
-    await asyncio.sleep(0.05)  # the reaper runs, finds nothing, and stops rescheduling
-    assert not deadlines.sweep()._scheduled
+    assert await read_body(receive, 100, 0.01) == b"abcd"
 
 
 async def test_oversized_chunked_body_is_refused_while_reading() -> None:
@@ -65,19 +57,17 @@ async def test_oversized_chunked_body_is_refused_while_reading() -> None:
         return next(chunks)
 
     with pytest.raises(BodyTooLarge):
-        await read_body(receive, 100, 1.0, Deadlines(tick=0.5))
+        await read_body(receive, 100, 1.0)
 
 
 def test_deadlines_hold_on_every_event_loop_at_once() -> None:
-    """Two threads, two loops, reading at the same time: each read times out on its own loop
-    (the old process-wide sweep was bound to one loop and never fired on the other)."""
+    """Two threads, two loops, reading at the same time: each read times out on its own loop."""
     outcomes: list[str] = []
-    deadlines = Deadlines(tick=0.01)  # one for both loops, as one middleware has
 
     def run() -> None:
         async def main() -> None:
             try:
-                await read_body(never, 100, 0.05, deadlines)
+                await read_body(never, 100, 0.05)
             except BodyTimeout:
                 outcomes.append("timeout")
 

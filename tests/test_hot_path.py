@@ -89,8 +89,8 @@ async def test_a_tagged_route_still_gets_its_body_replayed_after_admission() -> 
 
 
 async def test_a_tagged_read_reaches_the_ledger_through_admit_and_reserve_alone() -> None:
-    """The admission pipeline is split over modules, not over calls: between the endpoint's first
-    body read and the ledger, gpu_asgi runs exactly three frames (no delegating wrapper)."""
+    """Between the endpoint's first body read and the ledger, gpu_asgi runs exactly three frames:
+    the responder's read, the gate's admit and its reserve step (no delegating wrapper)."""
     package = str(Path(gpu_asgi.__file__).parent)
     chains: list[list[str]] = []
 
@@ -114,7 +114,7 @@ async def test_a_tagged_read_reaches_the_ledger_through_admit_and_reserve_alone(
     server = Server(json.dumps({"prompt": "hello there", "max_new_tokens": 4}).encode())
     await app(http_scope("/generate"), server.receive, server.send)
     assert response_of(server)[0] == 200
-    assert chains == [["reserve", "admit", "Responder._admit_and_replay"]]
+    assert chains == [["Gate._reserve", "Gate.admit", "Responder._admit", "Responder._admit_and_replay"]]
 
 
 async def test_the_admission_steps_benchmark_runs_on_this_code() -> None:

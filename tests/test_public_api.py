@@ -98,7 +98,7 @@ async def test_an_estimator_of_the_first_documented_shape_admits_requests() -> N
     async def generate(request: Request) -> JSONResponse:
         body = await request.json()
         held.append(ledger.statistics().reserved_bytes)
-        return JSONResponse({"bytes": gpu_admission(request).estimated_bytes, "echo": body["prompt"]})
+        return JSONResponse({"bytes": (await gpu_admission(request)).estimated_bytes, "echo": body["prompt"]})
 
     app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
     app.add_middleware(

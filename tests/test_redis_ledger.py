@@ -408,7 +408,7 @@ async def test_the_middleware_admits_through_the_redis_ledger(redis_server: Redi
     @gpu_bound()
     async def generate(request: Request) -> JSONResponse:
         await request.body()  # admission happens at the first body read
-        nbytes = gpu_reservation(request).nbytes
+        nbytes = (await gpu_reservation(request)).nbytes
         peak["now"] += nbytes
         peak["max"] = max(peak["max"], peak["now"])
         await asyncio.sleep(0.01)

@@ -6,14 +6,24 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Annotated
 
 import uvicorn
+from fastapi import Depends, FastAPI
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from gpu_asgi import GPUAdmissionMiddleware, HeuristicTokenCounter, Ledger, LinearEstimator, gpu_bound
+from gpu_asgi import (
+    GPUAdmissionMiddleware,
+    HeuristicTokenCounter,
+    Ledger,
+    LinearEstimator,
+    Reservation,
+    gpu_bound,
+    gpu_reservation,
+)
 
 from ._asgi import wait_until
 
@@ -125,3 +135,34 @@ async def test_uvicorn_serves_the_middleware_as_the_outermost_asgi3_app() -> Non
     assert tagged.startswith(b"HTTP/1.1 200") and tagged.endswith(f"held {held}".encode())
     assert untagged.startswith(b"HTTP/1.1 200") and untagged.endswith(b"plain")
     assert ledger.statistics().admitted_total == 1
+
+
+async def test_a_dependency_that_admits_serves_and_lets_a_departed_client_go_over_uvicorn() -> None:
+    """``request: Request`` + ``Depends(gpu_reservation)`` and no body parameter: admitted by the
+    dependency (over a real server); a client that leaves while it queues takes nothing with it."""
+    ledger = Ledger(100)
+    app = FastAPI()
+    app.add_middleware(GPUAdmissionMiddleware, ledger=ledger, estimator=LinearEstimator(bytes_per_token=1))
+
+    @app.post("/generate")
+    @gpu_bound()
+    async def generate(request: Request, reservation: Annotated[Reservation, Depends(gpu_reservation)]) -> dict[str, object]:
+        return {"held": reservation.nbytes, "prompt": (await request.json())["prompt"]}
+
+    holder = await ledger.reserve(100)
+    async with serve(app) as port:  # type: ignore[arg-type]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(port, {"prompt": "hello", "max_new_tokens": 10}))
+        await writer.drain()
+        await wait_until(lambda: ledger.statistics().waiting == 1)
+        writer.close()  # the client gives up while its dependency queues
+        await wait_until(lambda: ledger.statistics().waiting == 0)
+        holder.release()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(port, {"prompt": "hello", "max_new_tokens": 10}))
+        response = await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()
+    assert response.startswith(b"HTTP/1.1 200"), response
+    assert json.loads(response.split(b"\r\n\r\n", 1)[1]) == {"held": 13, "prompt": "hello"}
+    stats = ledger.statistics()
+    assert (stats.admitted_total, stats.reserved_bytes, stats.waiting) == (2, 0, 0)

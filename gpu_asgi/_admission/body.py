@@ -1,7 +1,7 @@
 """Request bodies of tagged routes: bounded buffering, JSON parsing and prompt extraction.
 
 Everything here either returns what admission needs or raises a :class:`BodyError` that says
-exactly what is wrong; the endpoint later receives the very same bytes (see the middleware).
+exactly what is wrong; the endpoint later receives the very same bytes (see the responder).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._asgi.routes import RouteSpec
 from .._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidHeader, InvalidJSON, UnsupportedMediaType
 from .._types import Receive, Scope
-from .body_timer import Deadlines
+from .spec import RouteSpec
 
 # Where a route's own body limit is found. Starlette's RequestBodyLimitMiddleware
 # (``Route(..., max_body_size=n)``, FastAPI's ``@app.post(..., max_body_size=n)``,
@@ -38,7 +37,7 @@ REQUEST_TIMEOUT_HEADER = b"x-request-timeout"
 _DECIMAL = re.compile(rb"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Prompt:
     """One sequence to generate from: text still to count plus tokens already known."""
 
@@ -46,7 +45,7 @@ class Prompt:
     known_tokens: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ParsedRequest:
     prompts: list[Prompt]
     max_new_tokens: int
@@ -95,35 +94,27 @@ def client_wait(raw: bytes, cap: float) -> float:
     return min(seconds, cap)
 
 
-async def read_body(receive: Receive, max_bytes: int, timeout: float, deadlines: Deadlines) -> bytes | None:
-    """The whole body, or None when the client disconnected while sending it.
-
-    The deadline is watched by the running loop's own sweep (see ``_deadlines``).
-    """
+async def read_body(receive: Receive, max_bytes: int, timeout: float) -> bytes | None:
+    """The whole body, or None when the client disconnected while sending it; more than
+    ``max_bytes`` -> :class:`BodyTooLarge`, not all of it within ``timeout`` s -> :class:`BodyTimeout`."""
     chunks: list[bytes] = []
     size = 0
-    sweep = deadlines.sweep()
-    key = sweep.add(timeout)
     try:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > max_bytes:
-                raise BodyTooLarge(f"The body is larger than the limit of {max_bytes} bytes.", limit_bytes=max_bytes)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-    except asyncio.CancelledError:
-        if sweep.discard(key):
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # our own cancellation
-            raise BodyTimeout(f"The body was not received within {timeout:g} s.") from None
-        raise
-    finally:
-        sweep.discard(key)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > max_bytes:
+                    raise BodyTooLarge(f"The body is larger than the limit of {max_bytes} bytes.", limit_bytes=max_bytes)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise BodyTimeout(f"The body was not received within {timeout:g} s.") from None
+    return b"".join(chunks)
 
 
 def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str] | None = None) -> ParsedRequest:
@@ -131,7 +122,7 @@ def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str] | None 
 
     ``route()`` names the route in errors from the route's own prompt callable.
     """
-    data = _load_json(body)
+    data = json_object(body)
     prompts = _extract_prompts(data, spec, route)
     return ParsedRequest(prompts, _max_new_tokens(data, spec), _n(data, spec), _sampling(data), data)
 
@@ -187,7 +178,8 @@ else:
     load_json = _load_json_orjson
 
 
-def _load_json(body: bytes) -> dict[str, Any]:
+def json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or :class:`InvalidJSON`/:class:`InvalidField` saying what is wrong."""
     data = load_json(body)
     if not isinstance(data, dict):
         raise InvalidField(f"The JSON body must be an object, not {_json_type(data)}.")
@@ -217,14 +209,12 @@ def _extract_prompts(data: dict[str, Any], spec: RouteSpec, route: Callable[[], 
 def _prompts_from_value(name: str, value: Any) -> list[Prompt]:
     """A string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI)."""
     if isinstance(value, str):
-        if not value.isascii():
-            _check_unicode(name, value)
+        _check_unicode(name, value)
         return [Prompt(value)]
     if isinstance(value, list) and value:
         if all(isinstance(item, str) for item in value):
             for index, item in enumerate(value):
-                if not item.isascii():
-                    _check_unicode(f"{name}[{index}]", item)
+                _check_unicode(f"{name}[{index}]", item)
             return [Prompt(item) for item in value]
         if all(_is_token_ids(item) for item in value):
             return [Prompt("", len(item)) for item in value]
@@ -251,13 +241,11 @@ def _prompt_from_messages(name: str, messages: Any, template_tokens: int) -> Pro
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidField(f"{where} must be an object with a string 'role'.", field=where)
         role = message["role"]
-        if not role.isascii():
-            _check_unicode(f"{where}.role", role)
+        _check_unicode(f"{where}.role", role)
         texts.append(role)
         content = message.get("content")
         if isinstance(content, str):
-            if not content.isascii():
-                _check_unicode(f"{where}.content", content)
+            _check_unicode(f"{where}.content", content)
             texts.append(content)
         elif isinstance(content, list):
             for number, part in enumerate(content):
@@ -267,8 +255,7 @@ def _prompt_from_messages(name: str, messages: Any, template_tokens: int) -> Pro
                     text = part.get("text")
                     if not isinstance(text, str):
                         raise InvalidField(f"{where}.content text parts need a string 'text'.", field=where)
-                    if not text.isascii():
-                        _check_unicode(f"{where}.content[{number}].text", text)
+                    _check_unicode(f"{where}.content[{number}].text", text)
                     texts.append(text)
         elif content is not None:
             raise InvalidField(f"{where}.content must be a string, a list of parts or null.", field=where)
@@ -280,10 +267,9 @@ def _check_unicode(field: str, text: str) -> None:
     ``"\\ud800"`` gives and ``json.loads`` accepts, but which no tokenizer reads (UTF-8 has no
     encoding for it; a Hugging Face tokenizer raises ``TypeError``). Checked here, before any counter
     runs, so every counter refuses the same texts: the heuristic one would count it.
-
-    Callers call this only for text that is not ASCII: ``str.isascii()`` is O(1) in CPython and
-    ASCII holds no surrogate, so ASCII prompts pay one method call.
     """
+    if text.isascii():  # ASCII holds no surrogate
+        return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -1,50 +1,56 @@
-"""The admission pipeline and the record it produces: headers checked → body buffered → JSON parsed
-→ thermal clamp → tokens counted → bytes estimated → tenant found → bytes reserved (``_queue_wait``).
-
-:func:`admit` is bound as ``GPUAdmissionMiddleware.admit``: it reads the middleware's
-configuration, and being a method rather than a call from one costs the request no extra frame.
+"""The gate: one request in, its :class:`Admission` out, or the :class:`GPUAdmissionError` that
+refuses it. Headers checked → body read → JSON parsed → thermal clamp → tokens counted → bytes
+estimated → tenant found → bytes reserved, or queued for (``queue``). The gate never sends: the
+responder answers what it raises.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .._asgi.responder import ADMITTING_SCOPE_KEY
-from .._asgi.routes import RouteSpec
-from .._device.policy import CLAMPED_HEADER
-from .._errors import GPUAdmissionError, ShuttingDown
+from opentelemetry.trace import Span, Tracer
+
+from .._device.policy import DeviceGuard, ThermalPolicy
+from .._device.sampler import DeviceSampler
+from .._errors import ClientClosedRequest, GPUAdmissionError, QueueTimeout
 from .._estimate.linear import Estimator
-from .._estimate.tokens import count_tokens_in_thread
-from .._ledger.contract import Reservation
+from .._estimate.tokens import TokenCounter, count_tokens_in_thread
+from .._ledger.contract import BudgetLedger, Reservation
 from .._ledger.tenants import DEFAULT_TENANT
 from .._observe import tracing as otel
-from .._types import Message, Receive, Scope, Send
-from .body import MAX_BODY_SIZE_SCOPE_KEY, check_headers, client_wait, parse_request, read_body
-from .queue_wait import reserve
-from .tenant_keys import find_tenant, tenant_label
+from .._observe.labels import tenant_label
+from .._observe.lifecycle import Lifecycle
+from .._types import Receive, Scope
+from .body import (
+    MAX_BODY_SIZE_SCOPE_KEY,
+    ParsedRequest,
+    check_headers,
+    client_wait,
+    json_object,
+    parse_request,
+    read_body,
+)
+from .queue import check_device, trusted_devices, wait
+from .spec import RouteSpec
+from .tenant_keys import TenantKey, find_tenant
 
 if TYPE_CHECKING:
-    from .._asgi.middleware import GPUAdmissionMiddleware
     from .._observe.metrics import GPUMetrics
 
-#: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
-ADMISSION_STATE_KEY = "gpu_admission"
-RESERVATION_STATE_KEY = "gpu_reservation"
 ASYNCIO_ONLY = (
     "gpu_asgi runs on asyncio only (its ledger and queue are asyncio objects): "
     "serve the app on an asyncio event loop (uvicorn, hypercorn's default asyncio worker, granian)."
 )
 
-#: What admission hands the responder: the reservation, the body to replay, the receive() still
-#: pending from the queue wait, and the thermal clamp header (if any).
-Granted = tuple[Reservation, bytes, "asyncio.Future[Message] | None", "tuple[bytes, bytes] | None"]
 
-
-@dataclass(slots=True)  # not frozen: a frozen __init__ costs a microsecond on the hot path
+@dataclass(frozen=True, slots=True)
 class Admission:
-    """What the middleware decided for this request; the endpoint reads it from ``request.state``."""
+    """What admission decided for one request; the endpoint reads it from ``request.state``
+    (or ``Depends(gpu_admission)``)."""
 
     reservation: Reservation
     prompt_tokens: int
@@ -59,6 +65,8 @@ class Admission:
     _estimator: Estimator | None = field(default=None, repr=False, compare=False)
     #: What the body asked for: True sampling, False greedy decoding, None not said.
     sampling: bool | None = None
+    #: The request body admission read (and estimated from); the endpoint receives these bytes.
+    body: bytes = field(default=b"", repr=False, compare=False)
 
     @property
     def device(self) -> str:
@@ -85,95 +93,204 @@ def route_name(scope: Scope) -> str:
     return f"{scope.get('method', '')} {path}".strip()
 
 
-async def admit(
-    middleware: GPUAdmissionMiddleware, spec: RouteSpec, scope: Scope, receive: Receive, send: Send
-) -> Granted | None:
-    """Read the body, estimate and reserve: what the endpoint gets, or None once gpu_asgi has
-    answered the request itself (a refusal, or the 499 of a client that left; nothing reserved)."""
-    scope[ADMITTING_SCOPE_KEY] = True  # before the body read, which may pass through an outer middleware
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        raise RuntimeError(ASYNCIO_ONLY) from None
-    metrics = middleware.metrics
-    if metrics is not None:
-        metrics.ensure_refreshing()
-    if middleware.lifecycle.draining:  # stopping: refused before the body is read (_observe.lifecycle)
-        if metrics is not None:
-            metrics.record_rejection(ShuttingDown.reason)
-        await middleware._answer(send, scope, middleware.lifecycle.refusal(), spec)
-        return None
-    if middleware.sampler is not None:
-        middleware.sampler.ensure_started()
-    clamped_from: int | None = None
-    try:
-        max_bytes = middleware.max_body_bytes
-        if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see _body): the smaller applies
+class Gate:
+    """Admission for one middleware, built once from what it needs.
+
+    :meth:`admit` per request; :meth:`read` first for a request whose admission waits for its
+    endpoint's dependency (the app reads the body before that).
+    """
+
+    def __init__(
+        self,
+        *,
+        ledger: BudgetLedger,
+        estimator: Estimator,
+        token_counter: TokenCounter,
+        max_body_bytes: int,
+        body_timeout: float,
+        tenant_key: Sequence[TenantKey],
+        tenant_labels: Collection[str],
+        tracer: Tracer,
+        metrics: GPUMetrics | None = None,
+        sampler: DeviceSampler | None = None,
+        thermal: ThermalPolicy | None = None,
+        device_guard: DeviceGuard | None = None,
+        lifecycle: Lifecycle | None = None,
+    ) -> None:
+        if (thermal is not None or device_guard is not None) and sampler is None:
+            raise ValueError("thermal and device_guard act on device readings: pass sampler=DeviceSampler(probe) too")
+        self.ledger = ledger
+        self.estimator = estimator
+        self.token_counter = token_counter
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        #: Where a request's tenant is read, tried in order (a route's own RouteSpec.tenant_key wins).
+        self.tenant_key = tuple(tenant_key)
+        #: Tenants that spans and metrics name; any other is "other".
+        self.tenant_labels = tenant_labels
+        self.tracer = tracer
+        self.metrics = metrics
+        self.sampler = sampler
+        self.thermal = thermal
+        self.device_guard = device_guard
+        #: Readiness and drain: a draining process admits nothing new and fails its queue at once.
+        self.lifecycle = Lifecycle(ready=True) if lifecycle is None else lifecycle
+        #: Requests of this gate waiting for bytes: the queue depth a new one finds, counting
+        #: those whose reserve() has not reached the ledger yet.
+        self.queued = 0
+
+    async def admit(self, scope: Scope, receive: Receive, spec: RouteSpec) -> Admission:
+        """Read the body from ``receive``, estimate it and reserve its bytes.
+
+        Raises the refusal (:class:`ClientClosedRequest` when the client left first); nothing is
+        reserved then.
+        """
+        self._start()
+        try:
+            if self.lifecycle.draining:  # stopping: refused before the body is read
+                raise self.lifecycle.refusal()
+            body, wait_limit = await self._read(scope, receive, spec)
+            request = parse_request(body, spec, lambda: route_name(scope))
+            max_new_tokens, clamped_from = self._clamped(request.max_new_tokens, spec)
+            prompt_tokens = await self._count(request)
+            batch = len(request.prompts) * request.n
+            estimator = spec.estimator or self.estimator
+            nbytes = estimator.estimate(prompt_tokens, max_new_tokens, batch, sampling=request.sampling)
+            keys = self.tenant_key if spec.tenant_key is None else spec.tenant_key
+            # Tenants off (no key anywhere): no work, and no tenant label on spans or metrics.
+            tenant, label = DEFAULT_TENANT, None
+            if keys:
+                tenant = find_tenant(keys, scope, request.data)  # type: ignore[arg-type]  # a tuple since RouteSpec.__post_init__
+                label = tenant_label(tenant, self.tenant_labels)
+        except GPUAdmissionError as error:
+            self._count_refusal(error)
+            raise
+        span = self.tracer.start_span(otel.QUEUE_WAIT_SPAN)  # not made current: the endpoint's spans are siblings
+        if span.is_recording():
+            span.set_attributes(otel.queue_wait_attributes(
+                prompt_tokens, max_new_tokens, nbytes, batch, spec.priority, clamped_from, label
+            ))
+        reservation = await self._reserve(span, nbytes, spec, receive, wait_limit, tenant, label)
+        return Admission(
+            reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, self.metrics, estimator,
+            request.sampling, body,
+        )
+
+    async def read(self, scope: Scope, receive: Receive) -> bytes:
+        """The body as an app may be handed it before admission: headers checked, within the size
+        and time limits, a JSON object. For a request admitted later (:meth:`admit` on these bytes),
+        so what protects the server (limits) and what FastAPI checks first (JSON) hold at the read."""
+        self._start()
+        try:
+            body, _ = await self._read(scope, receive, None)
+            json_object(body)
+        except GPUAdmissionError as error:
+            self._count_refusal(error)
+            raise
+        return body
+
+    def _start(self) -> None:
+        """Once per request: on asyncio, with the metrics and device readings running."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(ASYNCIO_ONLY) from None
+        if self.metrics is not None:
+            self.metrics.ensure_refreshing()
+        if self.sampler is not None:
+            self.sampler.ensure_started()
+
+    async def _read(self, scope: Scope, receive: Receive, spec: RouteSpec | None) -> tuple[bytes, float | None]:
+        """The whole body under the limits, and the seconds the request may wait in the queue
+        (the route's and the client's ``x-request-timeout``; None: the ledger's ``max_wait``).
+        Everything the headers alone refuse is refused before a byte is read."""
+        max_bytes = self.max_body_bytes
+        if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see body): the smaller applies
             max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
         raw_timeout = check_headers(scope, max_bytes)
-        # Seconds this request waits in the queue at most (None: the ledger's max_wait).
-        wait_limit = spec.max_client_wait
+        wait_limit = None if spec is None else spec.max_client_wait
         if raw_timeout is not None:
-            wait_limit = client_wait(raw_timeout, middleware._wait_cap if wait_limit is None else wait_limit)
-        body = await read_body(receive, max_bytes, middleware.body_timeout, middleware._deadlines)
-        if body is None:  # the client left while sending: nothing reserved
-            await middleware.answer_departed(scope, send, spec)
-            return None
-        request = parse_request(body, spec, lambda: route_name(scope))
-        max_new_tokens = request.max_new_tokens
-        thermal = middleware.thermal
-        if thermal is not None:  # before estimating: the estimate is for the clamped value
-            limit = thermal.max_new_tokens_limit(middleware.sampler.snapshot, spec.devices)  # type: ignore[union-attr]
-            if limit is not None and max_new_tokens > limit:
-                clamped_from, max_new_tokens = max_new_tokens, limit
-                if metrics is not None:
-                    metrics.record_clamp()
-        prompts, counter = request.prompts, middleware.token_counter
-        if len(prompts) == 1 and len(prompts[0].text) <= counter.inline_limit:  # the common case, inline
-            prompt_tokens = counter.count(prompts[0].text) + prompts[0].known_tokens
-        else:
-            texts = [prompt.text for prompt in prompts]
-            if sum(map(len, texts)) <= counter.inline_limit:
-                counts = [counter.count(text) for text in texts]
-            else:
-                counts = await count_tokens_in_thread(counter, texts)
-            prompt_tokens = max(n + prompt.known_tokens for n, prompt in zip(counts, prompts))
-        batch = len(prompts) * request.n
-        estimator = spec.estimator or middleware.estimator
-        nbytes = estimator.estimate(prompt_tokens, max_new_tokens, batch, sampling=request.sampling)
-        keys = middleware.tenant_key if spec.tenant_key is None else spec.tenant_key
-        # Tenants off (no key anywhere): no work, and no tenant label on spans or metrics.
-        tenant, label = DEFAULT_TENANT, None
-        if keys:
-            tenant = find_tenant(keys, scope, request.data)  # type: ignore[arg-type]  # a tuple since RouteSpec.__post_init__
-            label = tenant_label(tenant, middleware._tenant_labels)
-    except GPUAdmissionError as error:
-        if metrics is not None:
-            metrics.record_rejection(error.reason)
-        await middleware._answer(send, scope, error, spec)
-        return None
-    span = middleware._tracer.start_span(otel.QUEUE_WAIT_SPAN)  # not made current: the endpoint's spans are siblings
-    if span.is_recording():
-        attributes = otel.queue_wait_attributes(
-            prompt_tokens, max_new_tokens, nbytes, batch, spec.priority, clamped_from, label
-        )
-        span.set_attributes(attributes)
-    try:
-        reservation, pending = await reserve(middleware, span, nbytes, spec, receive, wait_limit, tenant, label)
-    except GPUAdmissionError as error:
-        await middleware._answer(send, scope, error, spec)
-        return None
-    if reservation is None:  # disconnected while queued: never admitted
-        await middleware.answer_departed(scope, send, spec)
-        return None
+            wait_limit = client_wait(raw_timeout, self._wait_cap() if wait_limit is None else wait_limit)
+        body = await read_body(receive, max_bytes, self.body_timeout)
+        if body is None:
+            raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
+        return body, wait_limit
 
-    admission = Admission(
-        reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, metrics, estimator, request.sampling
-    )
-    state = scope.get("state")
-    if state is None:
-        scope["state"] = state = {}
-    state[ADMISSION_STATE_KEY] = admission
-    state[RESERVATION_STATE_KEY] = reservation
-    clamp_header = None if clamped_from is None else (CLAMPED_HEADER, str(max_new_tokens).encode("ascii"))
-    return reservation, body, pending, clamp_header
+    def _count_refusal(self, error: GPUAdmissionError) -> None:
+        if self.metrics is not None and not isinstance(error, ClientClosedRequest):
+            self.metrics.record_rejection(error.reason)
+
+    def _clamped(self, max_new_tokens: int, spec: RouteSpec) -> tuple[int, int | None]:
+        """``max_new_tokens`` under the thermal policy's limit, and the value asked for when lowered."""
+        if self.thermal is None:
+            return max_new_tokens, None
+        limit = self.thermal.max_new_tokens_limit(self.sampler.snapshot, spec.devices)  # type: ignore[union-attr]
+        if limit is None or max_new_tokens <= limit:
+            return max_new_tokens, None
+        if self.metrics is not None:
+            self.metrics.record_clamp()
+        return limit, max_new_tokens
+
+    async def _count(self, request: ParsedRequest) -> int:
+        """Prompt tokens of the longest sequence; long texts are counted in a thread."""
+        prompts, counter = request.prompts, self.token_counter
+        if len(prompts) == 1 and len(prompts[0].text) <= counter.inline_limit:
+            return counter.count(prompts[0].text) + prompts[0].known_tokens
+        texts = [prompt.text for prompt in prompts]
+        if sum(map(len, texts)) <= counter.inline_limit:
+            counts = [counter.count(text) for text in texts]
+        else:
+            counts = await count_tokens_in_thread(counter, texts)
+        return max(n + prompt.known_tokens for n, prompt in zip(counts, prompts))
+
+    async def _reserve(
+        self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive, wait_limit: float | None, tenant: str,
+        label: str | None,
+    ) -> Reservation:
+        """Reserve (or queue for) the bytes, with the device guard's checks before and after.
+
+        Whatever happens, the queue-wait span ends and the decision is counted.
+        """
+        outcome, reason, device, depth, started = otel.CANCELLED, None, None, 0, 0.0
+        ledger, guard, sampler = self.ledger, self.device_guard, self.sampler
+        try:
+            if self.lifecycle.draining:  # stopping while this request's body was read
+                raise self.lifecycle.refusal()
+            devices = spec.devices
+            if guard is not None:
+                devices = trusted_devices(guard, sampler, ledger, devices, nbytes, tenant)  # type: ignore[arg-type]
+            reservation = await ledger.reserve_if_free(nbytes, devices=devices, tenant=tenant)
+            if reservation is None:
+                # The deadline decision is the ledger's, at the moment it finds the request must queue.
+                depth = max(ledger.statistics().waiting, self.queued)
+                self.queued += 1
+                started = time.perf_counter()
+                reservation = await wait(
+                    ledger, nbytes, devices=devices, priority=spec.priority, receive=receive, deadline=wait_limit,
+                    tenant=tenant, lifecycle=self.lifecycle,
+                )
+                if reservation is None:
+                    outcome = otel.DISCONNECTED
+                    raise ClientClosedRequest("The client disconnected while its request waited for GPU memory.")
+                if guard is not None:  # readings may have changed while it waited
+                    check_device(guard, sampler, ledger, reservation, nbytes, tenant)  # type: ignore[arg-type]
+            device = reservation.device
+            outcome = otel.ADMITTED
+            return reservation
+        except GPUAdmissionError as error:
+            if outcome != otel.DISCONNECTED:
+                outcome = otel.TIMED_OUT if isinstance(error, QueueTimeout) else otel.REJECTED
+                reason = error.reason
+            raise
+        finally:
+            waited = 0.0
+            if started:
+                self.queued -= 1
+                waited = time.perf_counter() - started
+            otel.end_queue_wait(span, outcome, device=device, queue_depth=depth, wait_seconds=waited, reason=reason)
+            if self.metrics is not None:
+                self.metrics.record_decision(outcome, device=device, reason=reason, wait_seconds=waited, tenant=label)
+
+    def _wait_cap(self) -> float:
+        """The ledger's ``max_wait``: the cap on a client's ``x-request-timeout``."""
+        return self.ledger.max_wait

@@ -1,30 +1,25 @@
-"""Tenant keys: how the middleware finds whom a request is for, and the bounded label it reports.
+"""Tenant keys: how admission finds whom a request is for.
 
 A :class:`TenantKey` names one source: a header, a field of the JSON body (OpenAI's ``user``),
-a hash of the API key, or a callable. The middleware tries its keys in order and the first that
-finds a value wins; none found means :data:`DEFAULT_TENANT`. The ledgers only ever see the string.
-
-Metrics and spans never carry the raw key: :func:`tenant_label` maps it to one of the tenants
-named in advance, ``default``, or ``other``, so a client cannot grow a label set by inventing keys.
+a hash of the API key, or a callable. The gate tries its keys in order and the first that
+finds a value wins; none found means :data:`DEFAULT_TENANT`. The ledgers only ever see the string
+(metrics and spans see a bounded label: ``_observe.labels``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable, Collection, Container, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import InvalidTenant
-from .._ledger.contract import BudgetLedger
 from .._ledger.tenants import DEFAULT_TENANT
 from .._types import Scope
 
 #: Longest tenant key accepted; longer ones are refused (a tenant names an account, not a payload).
 MAX_TENANT_LENGTH = 128
-#: The label of every tenant that was not named in advance.
-OTHER_TENANT_LABEL = "other"
 #: Hex digits of sha256 kept in an API-key tenant: 64 bits, so two keys among a million share a
 #: tenant with a probability of about 3e-8.
 API_KEY_HASH_HEX = 16
@@ -137,23 +132,6 @@ def tenant_keys(value: TenantKey | Sequence[TenantKey] | None) -> tuple[TenantKe
         if not isinstance(key, TenantKey):
             raise TypeError(f"tenant_key takes TenantKey objects, not {type(key).__name__}")
     return keys
-
-
-def named_tenants(ledger: BudgetLedger | None, labels: Collection[str] | None) -> Collection[str]:
-    """The tenants that metrics and spans name: ``labels``, else the ledger's configured tenants
-    (fixed when the ledger was built, as its policies are). None may be named ``other``, the label
-    every unnamed tenant is counted under (its series would silently mix with theirs)."""
-    labels = frozenset((() if ledger is None else ledger.tenants) if labels is None else labels)
-    if OTHER_TENANT_LABEL in labels:
-        raise ValueError(
-            f"a tenant named {OTHER_TENANT_LABEL!r} would share its metrics label with every unnamed tenant: rename it"
-        )
-    return labels
-
-
-def tenant_label(tenant: str, named: Container[str]) -> str:
-    """``tenant`` itself when it was named in advance (or is the default), else ``other``."""
-    return tenant if tenant == DEFAULT_TENANT or tenant in named else OTHER_TENANT_LABEL
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

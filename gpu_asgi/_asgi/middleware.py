@@ -1,12 +1,13 @@
-"""``GPUAdmissionMiddleware``: its configuration, the ASGI entry, and the answers it gives itself.
+"""``GPUAdmissionMiddleware``: its configuration, the ASGI entry, and the startup checks.
 
 The request path of a GPU-bound route, top to bottom, and where each step lives. The app's router
-picks the endpoint; when a tagged one first reads its body (``_responder``): headers checked →
-body buffered → JSON parsed → tokens counted → bytes estimated (``_admission``) → bytes reserved,
-or queued, watching for a disconnect, or refused (``_queue_wait``) → the same body bytes handed to
-that read → reservation released exactly once (``_responder``), at the first of: last body chunk
-sent, endpoint return, exception or cancellation (a client disconnect ends the endpoint; the bytes
-come back when its work has stopped, not while a model thread may still use them).
+picks the endpoint; when a tagged one first reads its body (``responder``), the gate
+(``_admission.gate``) checks the headers, reads and parses the body, counts tokens, estimates bytes
+and reserves them, or queues for them watching for a disconnect (``_admission.queue``), or raises
+the refusal, which the responder answers → the same body bytes handed to that read → reservation
+released exactly once (``responder``), at the first of: last body chunk sent, endpoint return,
+exception or cancellation (a client disconnect ends the endpoint; the bytes come back when its
+work has stopped, not while a model thread may still use them).
 """
 
 from __future__ import annotations
@@ -18,35 +19,26 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.trace import TracerProvider
 
-from .._admission import gate as _admission
-from .._admission.body_timer import Deadlines
-from .._admission.gate import ASYNCIO_ONLY, route_name
-from .._admission.tenant_keys import TenantKey, named_tenants, tenant_keys
+from .._admission.gate import ASYNCIO_ONLY, Gate, route_name
+from .._admission.spec import BODYLESS_METHODS, RouteSpec
+from .._admission.tenant_keys import TenantKey, tenant_keys
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.sampler import DeviceSampler
-from .._errors import (
-    ClientClosedRequest,
-    DeadlineUnmeetable,
-    DeviceMemoryLow,
-    GPUAdmissionError,
-    QueueFull,
-    QueueTimeout,
-)
 from .._estimate.linear import Estimator, as_estimator
 from .._estimate.tokens import HeuristicTokenCounter, TokenCounter
 from .._ledger.contract import BudgetLedger
 from .._ledger.legacy import as_budget_ledger
 from .._observe import tracing as otel
+from .._observe.labels import named_tenants
 from .._observe.lifecycle import Lifecycle
 from .._types import ASGIApp, Receive, Scope, Send
-from .problems import send_problem
+from .problems import ProblemStyle
 from .responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
-from .routes import BODYLESS_METHODS, RouteSpec, bodyless_tagged_routes, declared_routes
+from .routes import bodyless_tagged_routes, declared_routes
 
 if TYPE_CHECKING:
     from .._observe.metrics import GPUMetrics
 
-_OVERLOAD = (QueueFull, QueueTimeout, DeviceMemoryLow, DeadlineUnmeetable)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_BODY_TIMEOUT = 30.0
 
@@ -61,10 +53,6 @@ def _route_path(scope: Scope) -> str:
     if root and path.startswith(root) and path[len(root):len(root) + 1] in ("/", ""):
         return path[len(root):] or "/"
     return path
-
-
-class _UnreadBody(GPUAdmissionError):
-    status, reason, title = 500, "route-not-admitted", "A GPU-bound route answered without being admitted"
 
 
 class GPUAdmissionMiddleware:
@@ -98,23 +86,13 @@ class GPUAdmissionMiddleware:
         lifecycle: Lifecycle | None = None,
         cancel_on_disconnect: bool = True,
     ) -> None:
-        if reject_status not in (429, 503):
-            raise ValueError("reject_status must be 429 or 503")
-        if (thermal is not None or device_guard is not None) and sampler is None:
-            raise ValueError("thermal and device_guard act on device readings: pass sampler=DeviceSampler(probe) too")
         self.app = app
         self.ledger = as_budget_ledger(ledger)  # a ledger in an earlier release's shape is adapted
-        self.estimator = as_estimator(estimator)
+        self.estimator = as_estimator(estimator)  # an estimator that takes no sampling= is wrapped
         self.token_counter: TokenCounter = HeuristicTokenCounter() if token_counter is None else token_counter
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.reject_status = reject_status
-        #: Explicit paths (a pure ASGI host without a router): this table is the host's routing.
-        self._explicit = dict(routes or {})
-        self._routes_checked = False
-        self._deadlines = Deadlines(tick=min(1.0, max(0.01, body_timeout / 10)))
-        self._tracer = otel.get_tracer(tracer_provider)
-        self._queued = 0  # requests of this middleware waiting for bytes (queue depth on arrival)
         self.metrics = metrics
         self.sampler = sampler
         self.thermal = thermal
@@ -122,13 +100,21 @@ class GPUAdmissionMiddleware:
         self.openai_errors = openai_errors  # a route's own RouteSpec.openai_errors wins
         #: Where a request's tenant is read, tried in order (a route's own RouteSpec.tenant_key wins).
         self.tenant_key = tenant_keys(tenant_key)
-        #: Tenants that spans and metrics name; any other is "other".
-        self._tenant_labels = named_tenants(self.ledger, tenant_labels)
         #: Readiness and drain (``_observe.lifecycle``); without one given, ready at once.
         self.lifecycle = Lifecycle(ready=True) if lifecycle is None else lifecycle
         #: Cancel an admitted endpoint whose client leaves before its response starts (``cancel``);
         #: a route's own RouteSpec.cancel_on_disconnect wins.
         self.cancel_on_disconnect = cancel_on_disconnect
+        self._style = ProblemStyle(reject_status, openai_errors)
+        self._gate = Gate(
+            ledger=self.ledger, estimator=self.estimator, token_counter=self.token_counter,
+            max_body_bytes=max_body_bytes, body_timeout=body_timeout, tenant_key=self.tenant_key,
+            tenant_labels=named_tenants(self.ledger, tenant_labels), tracer=otel.get_tracer(tracer_provider),
+            metrics=metrics, sampler=sampler, thermal=thermal, device_guard=device_guard, lifecycle=self.lifecycle,
+        )
+        #: Explicit paths (a pure ASGI host without a router): this table is the host's routing.
+        self._explicit = dict(routes or {})
+        self._routes_checked = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -139,16 +125,15 @@ class GPUAdmissionMiddleware:
             # above), so GET/HEAD/OPTIONS/TRACE go straight through.
             if scope["method"] not in BODYLESS_METHODS:
                 # Watched: the app gets receive/send wrapped by a Responder; the router picks the
-                # endpoint, and a tagged one is admitted at its first body read. Inline, not in a
-                # helper coroutine: every POST, tagged or not, would pay for that frame.
-                responder = Responder(self, scope, receive, send)
-                if self._explicit:
-                    spec = self._explicit.get(_route_path(scope))
-                    if (
-                        spec is not None and scope["method"] in spec.methods and ADMITTING_SCOPE_KEY not in scope
-                        and not await responder.admit(spec)
-                    ):
-                        return
+                # endpoint, and a tagged one is admitted at its first body read.
+                # A path named in routes= is admitted at the app's first body read, like a tagged
+                # endpoint: what the app answers before reading (its auth, a 404, a 405) passes.
+                spec = self._explicit.get(_route_path(scope)) if self._explicit else None
+                if spec is not None and (scope["method"] not in spec.methods or ADMITTING_SCOPE_KEY in scope):
+                    spec = None
+                responder = Responder(
+                    self._gate, self._style, scope, receive, send, spec, cancel_on_disconnect=self.cancel_on_disconnect
+                )
                 try:
                     await self.app(scope, responder.receive, responder.send)
                 except BaseException as error:
@@ -208,40 +193,3 @@ class GPUAdmissionMiddleware:
                 f"@gpu_bound routes must take only methods with a request body (admission reads it): "
                 f"{', '.join(bad)}. Serve them with POST only."
             )
-
-    #: ``admit(spec, scope, receive, send)``: the admission pipeline (``_admission.admit``), bound
-    #: here as a method so that the responder's call into it costs no extra frame.
-    admit = _admission.admit
-
-    async def answer_unread(self, scope: Scope, send: Send) -> None:
-        """A tagged endpoint started its response without reading its body (or its body was read
-        before the router ran, by something inside the app), so it ran unadmitted."""
-        scope[ADMITTING_SCOPE_KEY] = True  # this answer is ours: an outer middleware passes it through
-        route = route_name(scope)
-        logger.error("%s is tagged @gpu_bound but answered without reading its body: it ran unadmitted", route)
-        error = _UnreadBody(
-            f"{route} is tagged @gpu_bound but its endpoint answered without reading the request body "
-            "after routing; admission happens at that read (FastAPI: declare a body parameter)."
-        )
-        await send_problem(send, error, instance=scope.get("path", ""))
-
-    async def answer_departed(self, scope: Scope, send: Send, spec: RouteSpec) -> None:
-        """The client left before admission. Nobody reads the answer, but what records the request
-        on its way out does: an access log, or an outer ``BaseHTTPMiddleware``, whose ``call_next``
-        raises "No response returned." for a request that got none."""
-        error = ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
-        try:
-            await self._answer(send, scope, error, spec)
-        except OSError:  # ASGI lets a server raise on a closed connection; nobody is left to tell
-            pass
-
-    async def _answer(self, send: Send, scope: Scope, error: GPUAdmissionError, spec: RouteSpec) -> None:
-        # 429 (when configured) is for overload only; a ledger or probe outage stays a 503.
-        status = self.reject_status if isinstance(error, _OVERLOAD) else error.status
-        openai = self.openai_errors if spec.openai_errors is None else spec.openai_errors
-        await send_problem(send, error, status=status, instance=scope.get("path", ""), openai=openai)
-
-    @property
-    def _wait_cap(self) -> float:
-        """The ledger's ``max_wait``."""
-        return self.ledger.max_wait

@@ -4,13 +4,37 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
-from .._errors import GPUAdmissionError
+from .._admission.spec import RouteSpec
+from .._errors import DeadlineUnmeetable, DeviceMemoryLow, GPUAdmissionError, QueueFull, QueueTimeout
 from .._types import Send
 
 #: Response header naming why gpu_asgi answered instead of the endpoint.
 REASON_HEADER = b"x-gpu-admission-reason"
+#: Refusals for load: answered with the configured ``reject_status`` (429 or 503).
+OVERLOAD = (QueueFull, QueueTimeout, DeviceMemoryLow, DeadlineUnmeetable)
+
+
+@dataclass(frozen=True, slots=True)
+class ProblemStyle:
+    """How gpu_asgi's own answers look: the status of a refusal for load, and whether the body
+    carries OpenAI's ``error`` object (a route's ``RouteSpec.openai_errors`` wins)."""
+
+    reject_status: int = 503
+    openai_errors: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reject_status not in (429, 503):
+            raise ValueError("reject_status must be 429 or 503")
+
+    async def send(self, send: Send, error: GPUAdmissionError, spec: RouteSpec | None, instance: str) -> None:
+        """Answer ``error`` for a request of the route ``spec``."""
+        # 429 (when configured) is for overload only; a ledger or probe outage stays a 503.
+        status = self.reject_status if isinstance(error, OVERLOAD) else error.status
+        openai = self.openai_errors if spec is None or spec.openai_errors is None else spec.openai_errors
+        await send_problem(send, error, status=status, instance=instance, openai=openai)
 
 
 def retry_after_header(seconds: float) -> bytes:

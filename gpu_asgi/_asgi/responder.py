@@ -3,24 +3,30 @@
 The router matches first and writes the endpoint it chose into the scope (Starlette's
 ``Router.app`` sets ``scope["route"]`` and ``scope["endpoint"]`` before ``route.handle``); the
 endpoint layer then reads the body. That first ``receive()`` is where admission happens: for a
-tagged endpoint the body is buffered, checked and its bytes reserved (or queued for) right there,
-and the same bytes are replayed; for an untagged one the server's messages pass untouched.
+tagged endpoint the gate reads the body, checks it and reserves its bytes (or queues for them)
+right there, and the same bytes are replayed; for an untagged one the server's messages pass
+untouched. A FastAPI endpoint that declares ``Depends(gpu_admission)``/``Depends(gpu_reservation)``
+is admitted when that dependency runs instead (its body read checks only the limits and the JSON,
+and keeps the bytes for the gate), so the dependencies declared before it, such as auth, answer
+first. The responder is the only part of
+gpu_asgi that sends: a refusal the gate raises is answered here, as problem+json.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
 
-from .._ledger.contract import Reservation
+from .._admission.gate import Admission, Gate, route_name
+from .._admission.spec import RouteSpec
+from .._device.policy import CLAMPED_HEADER
+from .._errors import ClientClosedRequest, GPUAdmissionError
 from .._types import Message, Receive, Scope, Send
 from .cancel import DisconnectWatch, cancellable
-from .routes import RouteSpec, route_spec_of
-
-if TYPE_CHECKING:
-    from .._admission.gate import Granted
-    from .middleware import GPUAdmissionMiddleware
+from .dependencies import ADMISSION_STATE_KEY, ADMIT_SCOPE_KEY, RESERVATION_STATE_KEY, declares_admission
+from .problems import ProblemStyle, send_problem
+from .routes import route_spec_of
 
 #: Scope key set when a GPUAdmissionMiddleware takes a tagged request on: as it starts admitting
 #: (before it reads the body) or answers it itself. Another (nested) middleware's responder sees it
@@ -29,7 +35,15 @@ if TYPE_CHECKING:
 #: cycle would leave every request to the cyclic GC.
 ADMITTING_SCOPE_KEY = "gpu_asgi.admitting"
 
-_UNDECIDED, _PASS, _ADMITTED, _ANSWERED = range(4)
+#: Where a request stands: not routed to anything of ours yet; passed through for good; tagged,
+#: waiting for its dependency to admit it; admitted; answered by gpu_asgi.
+_UNDECIDED, _PASS, _DEFERRED, _ADMITTED, _ANSWERED = range(5)
+
+logger = logging.getLogger("gpu_asgi")
+
+
+class _UnreadBody(GPUAdmissionError):
+    status, reason, title = 500, "route-not-admitted", "A GPU-bound route answered without being admitted"
 
 
 class Answered(BaseException):
@@ -67,54 +81,48 @@ def matched_spec(scope: Scope) -> RouteSpec | None:
 
 
 class Responder:
-    """Per-request state; :meth:`receive` and :meth:`send` are what the app is given."""
+    """Per-request state; :meth:`receive` and :meth:`send` are what the app is given.
+
+    ``spec``: the route's spec when the host named the path in ``routes=`` (the app behind it has
+    no router gpu_asgi can see); else the router's choice decides, at the first read.
+    """
 
     __slots__ = (
-        "_body", "_clamp", "_entry_endpoint", "_middleware", "_pending", "_receive", "_reservation", "_scope", "_send",
-        "_spec", "_state", "_watch",
+        "_admission", "_body", "_cancel", "_entry_endpoint", "_gate", "_pending", "_read", "_receive", "_scope",
+        "_send", "_spec", "_state", "_style", "_watch",
     )
 
-    def __init__(self, middleware: GPUAdmissionMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
-        self._middleware = middleware
+    def __init__(
+        self, gate: Gate, style: ProblemStyle, scope: Scope, receive: Receive, send: Send, spec: RouteSpec | None = None,
+        *, cancel_on_disconnect: bool = True,
+    ) -> None:
+        self._gate = gate
+        self._cancel = cancel_on_disconnect  # a route's own RouteSpec.cancel_on_disconnect wins
+        self._style = style
         self._scope = scope
         self._receive = receive
         self._send = send
+        self._spec = spec
+        if spec is not None:
+            scope[ADMITTING_SCOPE_KEY] = True  # ours, whatever router sits behind: no one else admits it
         self._state = _UNDECIDED
         #: An outer router's choice (a parent's Mount names this app): not our router's decision.
         self._entry_endpoint = scope.get("endpoint")
-        self._reservation: Reservation | None = None
-        self._body: bytes | None = None
-        self._pending: asyncio.Future[Message] | None = None  # receive() still running from the queue wait
-        self._clamp: tuple[bytes, bytes] | None = None
-        self._spec: RouteSpec | None = None
-        self._watch: DisconnectWatch | None = None  # cancels the endpoint if the client leaves first
-
-    async def admit(self, spec: RouteSpec) -> bool:
-        """Admit now; False when gpu_asgi answered instead (or the client left)."""
-        return self._granted(spec, await self._middleware.admit(spec, self._scope, self._receive, self._send))
-
-    def _granted(self, spec: RouteSpec, granted: Granted | None) -> bool:
-        if granted is None:
-            self._state = _ANSWERED
-            return False
-        self._reservation, self._body, self._pending, self._clamp = granted
-        self._state = _ADMITTED
-        self._spec = spec
-        middleware = self._middleware
-        middleware.lifecycle.admitted()
-        cancel = middleware.cancel_on_disconnect if spec.cancel_on_disconnect is None else spec.cancel_on_disconnect
-        if cancel and cancellable(self._scope.get("endpoint")):
-            # The next message after the body can only be a disconnect: watch for it (``cancel``).
-            if self._pending is None:
-                self._pending = asyncio.ensure_future(self._receive())
-            self._watch = DisconnectWatch(self._pending)
-        return True
+        self._admission: Admission | None = None
+        self._body: bytes | None = None  # body bytes still to hand to the app
+        self._read: bytes | None = None  # the body the app read while admission was deferred
+        #: After admission, the server's next message (only a disconnect can come) and its watch,
+        #: which cancels the endpoint if the client leaves before the response starts (``cancel``).
+        self._pending: asyncio.Future[Message] | None = None
+        self._watch: DisconnectWatch | None = None
 
     def finish(self) -> None:
-        """After the app has returned or failed: release (at most once) and stop listening."""
-        if self._reservation is not None:
-            self._reservation.release()
-            self._middleware.lifecycle.finished()
+        """After the app has returned or failed: release (at most once)."""
+        if self._spec is not None:
+            self._scope.pop(ADMIT_SCOPE_KEY, None)  # it holds this responder: no cycle left behind
+        if self._admission is not None:
+            self._admission.reservation.release()
+            self._gate.lifecycle.finished()
         if self._pending is not None:
             self._pending.cancel()
 
@@ -124,16 +132,19 @@ class Responder:
 
     async def answer_departed(self) -> None:
         """The 499 of an endpoint cancelled because its client left, for access logs and outer middleware."""
-        assert self._spec is not None
-        await self._middleware.answer_departed(self._scope, self._send, self._spec)
+        error = ClientClosedRequest(f"The client disconnected before {route_name(self._scope)} answered.")
+        await self._refuse(error, self._spec)
 
     def receive(self) -> Awaitable[Message]:
         """The app's ``receive``. Whatever can be decided without waiting is decided here, so an
         untagged request gets the server's own call, with no coroutine of ours in between."""
         state = self._state
         if state == _UNDECIDED:
-            spec = matched_spec(self._scope)
+            spec = self._spec if self._spec is not None else matched_spec(self._scope)
             if spec is not None:
+                if declares_admission(self._scope.get("route")):
+                    self._defer(spec)
+                    return self._read_deferred()
                 return self._admit_and_replay(spec)
             if self._scope.get("endpoint") is not self._entry_endpoint:
                 self._state = _PASS  # routed to an untagged endpoint: step aside for good
@@ -142,6 +153,8 @@ class Responder:
             return self._receive()
         if state == _PASS:
             return self._receive()
+        if state == _DEFERRED:
+            return self._read_deferred() if self._read is None else self._receive()
         return self._receive_watched()
 
     def send(self, message: Message) -> Awaitable[None]:
@@ -150,60 +163,152 @@ class Responder:
         if state == _PASS:
             return self._send(message)
         if message["type"] == "http.response.start":
-            if state == _UNDECIDED and matched_spec(self._scope) is None:
+            if state == _UNDECIDED and self._spec is None and matched_spec(self._scope) is None:
                 self._state = _PASS  # an untagged endpoint (or none: a 404/405) answers
                 return self._send(message)
             if state == _ADMITTED and self._watch is not None:
-                self._watch.response_started = True  # a stream is Starlette's to cancel from now on
-            if state == _ADMITTED and self._clamp is None:
+                self._watch.response_started = True  # a stream is the server's and Starlette's to end now
+            if state == _ADMITTED and self._admission.clamped_from is None:  # type: ignore[union-attr]
                 return self._send(message)  # the bytes are released at the last body chunk
         return self._send_watched(message)
 
     async def _admit_and_replay(self, spec: RouteSpec) -> Message:
         """A tagged endpoint's first read: admit, then hand it the body that admission read."""
-        if not self._granted(spec, await self._middleware.admit(spec, self._scope, self._receive, self._send)):
-            raise Answered
-        return self._replay()
+        self._scope[ADMITTING_SCOPE_KEY] = True
+        admission = await self._admit(self._receive, spec)
+        self._body = None
+        return {"type": "http.request", "body": admission.body, "more_body": False}
 
-    def _replay(self) -> Message:
-        body, self._body = self._body, None
+    async def _admit(self, receive: Receive, spec: RouteSpec) -> Admission:
+        """Admit through the gate; a refusal is answered here and ends the app (:class:`Answered`)."""
+        try:
+            admission = await self._gate.admit(self._scope, receive, spec)
+        except GPUAdmissionError as error:
+            await self._refuse(error, spec)
+            raise Answered from None
+        self._admission = admission
+        self._body = admission.body
+        self._state = _ADMITTED
+        self._gate.lifecycle.admitted()
+        cancel = self._cancel if spec.cancel_on_disconnect is None else spec.cancel_on_disconnect
+        if cancel and cancellable(self._scope.get("endpoint")):
+            # The whole body is read: the server's next message can only be a disconnect.
+            self._pending = asyncio.ensure_future(self._receive())
+            self._watch = DisconnectWatch(self._pending)
+        state = self._scope.get("state")
+        if state is None:
+            self._scope["state"] = state = {}
+        state[ADMISSION_STATE_KEY] = admission
+        state[RESERVATION_STATE_KEY] = admission.reservation
+        return admission
+
+    def _defer(self, spec: RouteSpec) -> None:
+        """Leave admission to the endpoint's dependency: its ``admit()`` goes in the scope."""
+        scope = self._scope
+        scope[ADMITTING_SCOPE_KEY] = True
+        self._spec = spec
+        self._state = _DEFERRED
+
+        async def admit() -> Admission:
+            if self._admission is not None:
+                return self._admission
+            read = self._read
+            if read is None:  # the app has not read the body: the gate does, and the app gets it replayed
+                return await self._admit(self._receive, spec)
+            replayed = False
+
+            async def receive() -> Message:  # the body the app has already, then the server's messages
+                nonlocal replayed
+                if replayed:
+                    return await self._receive()
+                replayed = True
+                return {"type": "http.request", "body": read, "more_body": False}
+
+            admission = await self._admit(receive, spec)
+            self._body = None  # the app has these bytes already
+            return admission
+
+        scope[ADMIT_SCOPE_KEY] = admit
+
+    async def _read_deferred(self) -> Message:
+        """The app's first read before its dependency admits: the whole body, under the gate's
+        limits (size, time, media type, JSON), kept for the admission to come."""
+        try:
+            body = await self._gate.read(self._scope, self._receive)
+        except GPUAdmissionError as error:
+            await self._refuse(error, self._spec)
+            raise Answered from None
+        self._read = body
         return {"type": "http.request", "body": body, "more_body": False}
+
+    async def _refuse(self, error: GPUAdmissionError, spec: RouteSpec | None) -> None:
+        """Answer the gate's refusal; from now on the app's reads raise :class:`Answered`."""
+        self._state = _ANSWERED
+        if not isinstance(error, ClientClosedRequest):
+            await self._style.send(self._send, error, spec, self._scope.get("path", ""))
+            return
+        # Nobody reads the answer to a client that left, but what records the request on its way
+        # out does: an access log, or an outer BaseHTTPMiddleware, whose call_next raises
+        # "No response returned." for a request that got none.
+        try:
+            await self._style.send(self._send, error, spec, self._scope.get("path", ""))
+        except OSError:  # ASGI lets a server raise on a closed connection; nobody is left to tell
+            pass
 
     async def _receive_watched(self) -> Message:
         """Reads after admission (or after gpu_asgi answered)."""
         if self._state == _ANSWERED:
             raise Answered
         if self._body is not None:
-            return self._replay()
-        if self._pending is not None:
-            waiting, self._pending = self._pending, None
-            return await waiting
+            body, self._body = self._body, None
+            return {"type": "http.request", "body": body, "more_body": False}
         # A disconnect does not release here: a model call may still be using the memory in
         # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
         # and finish() releases once the endpoint has really stopped.
+        pending = self._pending
+        if pending is not None:  # the message the disconnect watch is waiting for
+            self._pending = None
+            return await pending
         return await self._receive()
 
     async def _send_watched(self, message: Message) -> None:
         state = self._state
         if state == _ADMITTED:
+            admission: Admission = self._admission  # type: ignore[assignment]
             kind = message["type"]
-            if self._clamp is not None and kind == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), self._clamp]}
+            if admission.clamped_from is not None and kind == "http.response.start":
+                clamp = (CLAMPED_HEADER, str(admission.max_new_tokens).encode("ascii"))
+                message = {**message, "headers": [*message.get("headers", ()), clamp]}
             await self._send(message)
             if (kind == "http.response.body" and not message.get("more_body", False)) or kind == "http.response.pathsend":
-                self._reservation.release()  # type: ignore[union-attr]
+                admission.reservation.release()
             return
-        if state == _UNDECIDED and message["type"] == "http.response.start":  # a tagged endpoint, body unread
-            if message["status"] >= 400:
-                # Refused on its way to the endpoint, before the body read: a dependency (401),
-                # Starlette's per-route body limit (413), an exception handler. The endpoint's work
-                # did not run and nothing is reserved: the answer is theirs, untouched.
+        if state in (_UNDECIDED, _DEFERRED) and message["type"] == "http.response.start":  # tagged, not admitted
+            if message["status"] >= 400 or (self._spec is not None and state == _UNDECIDED):
+                # Refused on its way to the endpoint, before admission: a dependency (401),
+                # Starlette's per-route body limit (413), an exception handler; or, behind
+                # routes=, the app answered without reading the body (its API-key check, a
+                # 404, a 405). Its work did not run and nothing is reserved: the answer is theirs.
                 self._state = _PASS
                 await self._send(message)
                 return
             self._state = _ANSWERED
-            await self._middleware.answer_unread(self._scope, self._send)
+            await self._answer_unread()
             raise Answered
         if state == _ANSWERED:
             return  # gpu_asgi has answered already; whatever the app sends after is dropped
         await self._send(message)
+
+    async def _answer_unread(self) -> None:
+        """A tagged endpoint started its response without being admitted: it did not read its body
+        (or its body was read before the router ran, by something inside the app), or its
+        ``Depends(gpu_admission)`` did not run."""
+        scope = self._scope
+        scope[ADMITTING_SCOPE_KEY] = True  # this answer is ours: an outer middleware passes it through
+        route = route_name(scope)
+        logger.error("%s is tagged @gpu_bound but answered without reading its body: it ran unadmitted", route)
+        error = _UnreadBody(
+            f"{route} is tagged @gpu_bound but its endpoint answered without reading the request body "
+            "after routing; admission happens at that read, or in Depends(gpu_admission)/Depends(gpu_reservation)."
+        )
+        await send_problem(send=self._send, error=error, instance=scope.get("path", ""))

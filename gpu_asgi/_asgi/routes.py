@@ -3,30 +3,26 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from types import FunctionType, MethodType
 from typing import Any, TypeVar
 
 from starlette.endpoints import HTTPEndpoint
 
-from .._admission.tenant_keys import TenantKey, tenant_keys
-from .._estimate.linear import Estimator, as_estimator
-from .._ledger.contract import check_priority
+from .._admission.spec import (
+    BODYLESS_METHODS,
+    DEFAULT_CHAT_TEMPLATE_TOKENS,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MAX_NEW_TOKENS_CAP,
+    DEFAULT_MAX_TOKENS_FIELDS,
+    DEFAULT_PROMPT_FIELDS,
+    PromptGetter,
+    RouteSpec,
+)
+from .._admission.tenant_keys import TenantKey
+from .._estimate.linear import Estimator
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
-DEFAULT_PROMPT_FIELDS = ("prompt", "messages")
-#: OpenAI reads ``max_completion_tokens`` before the deprecated ``max_tokens``.
-DEFAULT_MAX_TOKENS_FIELDS = ("max_new_tokens", "max_completion_tokens", "max_tokens")
-DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_MAX_NEW_TOKENS_CAP = 4096
-#: Room for what a chat template adds once per conversation: a default system prompt when the
-#: client sent none (Qwen2.5's is 21 tokens with its markers) and the generation prompt (3).
-DEFAULT_CHAT_TEMPLATE_TOKENS = 32
-#: Methods whose requests carry no body by HTTP semantics. Admission reads the body, so a tagged
-#: route may not accept these, and requests with them always pass through (docs/admission.md).
-BODYLESS_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
 #: Endpoints called as they are (a function, a bound method; None: no route matched): their own
 #: tag is the whole answer. Tested first, as most endpoints are plain functions.
@@ -34,70 +30,7 @@ _CALLED_AS_IS = frozenset({FunctionType, MethodType, type(None)})
 #: How many wrappers (partials, middleware) are followed to an endpoint: a bound on a cycle.
 _MAX_WRAPPERS = 32
 
-PromptGetter = Callable[[Any], "str | Sequence[str]"]
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RouteSpec:
-    """How one GPU-bound route is admitted.
-
-    ``prompt`` is either field names tried in order (a string or list of strings, or OpenAI
-    ``messages``) or a callable that takes the parsed body and returns the prompt text(s).
-    """
-
-    prompt: Sequence[str] | PromptGetter = DEFAULT_PROMPT_FIELDS
-    max_tokens_fields: Sequence[str] = DEFAULT_MAX_TOKENS_FIELDS
-    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    max_new_tokens_cap: int = DEFAULT_MAX_NEW_TOKENS_CAP
-    #: Body field holding the number of sequences generated (OpenAI ``n``); None to ignore.
-    batch_field: str | None = "n"
-    max_batch: int = 16
-    estimator: Estimator | None = None
-    #: Higher is admitted first; FIFO within a priority.
-    priority: int = 0
-    #: Devices this route may run on; None means any device of the ledger.
-    devices: tuple[str, ...] | None = None
-    #: Methods matched for paths registered explicitly (routers match methods themselves).
-    methods: frozenset[str] = field(default=frozenset({"POST"}))
-    #: Tokens added to OpenAI ``messages`` once per conversation, for the chat template.
-    chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS
-    #: Refusals also carry OpenAI's ``error`` object; None follows the middleware's ``openai_errors``.
-    openai_errors: bool | None = None
-    #: Seconds a request of this route waits in the queue at most, and the cap on its
-    #: ``x-request-timeout`` header; None: no deadline unless the header gives one (capped by the
-    #: ledger's ``max_wait``). With a deadline, a request whose predicted wait is longer is
-    #: refused at once (``deadline-unmeetable``) instead of timing out in the queue.
-    max_client_wait: float | None = None
-    #: Where this route's tenant is read (tried in order); None follows the middleware's ``tenant_key``.
-    tenant_key: TenantKey | Sequence[TenantKey] | None = None
-    #: Cancel the endpoint when its client disconnects before the response starts; False for a
-    #: route that must finish. None follows the middleware's ``cancel_on_disconnect``.
-    cancel_on_disconnect: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.estimator is not None:
-            object.__setattr__(self, "estimator", as_estimator(self.estimator))
-        if isinstance(self.prompt, str):
-            object.__setattr__(self, "prompt", (self.prompt,))
-        if isinstance(self.max_tokens_fields, str):
-            object.__setattr__(self, "max_tokens_fields", (self.max_tokens_fields,))
-        if isinstance(self.devices, str):
-            object.__setattr__(self, "devices", (self.devices,))
-        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
-            raise ValueError("need 1 <= default_max_new_tokens <= max_new_tokens_cap")
-        if self.max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
-        if self.chat_template_tokens < 0:
-            raise ValueError("chat_template_tokens must be >= 0")
-        object.__setattr__(self, "methods", frozenset(method.upper() for method in self.methods))
-        if not self.methods or self.methods & BODYLESS_METHODS:
-            raise ValueError(f"methods must be methods with a request body (admission reads it), not {sorted(self.methods)}")
-        if self.max_client_wait is not None and not 0 < self.max_client_wait < math.inf:
-            raise ValueError("max_client_wait must be a positive, finite number of seconds (or None)")
-        check_priority(self.priority)  # refused when the route is declared, not on its first request
-        if self.tenant_key is not None:
-            object.__setattr__(self, "tenant_key", tenant_keys(self.tenant_key))
 
 
 def gpu_bound(

@@ -20,7 +20,7 @@ from typing import Any, Self, TypeVar
 
 from opentelemetry.trace import TracerProvider
 
-from .._observe.tracing import ThreadBinding, bind_thread, get_tracer
+from .binding import ThreadBinding, bind_thread
 
 T = TypeVar("T")
 
@@ -80,7 +80,7 @@ class DeviceExecutor:
         self.device = device
         self.synchronize = synchronize
         self.inference_mode = inference_mode
-        self._tracer = get_tracer(tracer_provider)
+        self._tracer_provider = tracer_provider
         self._pool: ThreadPoolExecutor | None = None
         self._torch: Any = None
         self._init_error: BaseException | None = None
@@ -116,7 +116,7 @@ class DeviceExecutor:
             self._torch = torch
         except BaseException as exc:  # reported on every call, not a silently broken pool
             self._init_error = exc
-        bind_thread(ThreadBinding(self.device, self._tracer, self.synchronize, sync))
+        bind_thread(ThreadBinding(self.device, self._tracer_provider, self.synchronize, sync))
 
     def _call_measured(
         self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -79,9 +79,9 @@ class PeakCalibration:
         self._lock = threading.Lock()
         self._gauge: Any = None
         if registry is not None:
-            from .._observe.metrics import _prometheus
+            from prometheus_client import Gauge  # a registry was given: prometheus-client is installed
 
-            self._gauge = _prometheus().Gauge(
+            self._gauge = Gauge(
                 "estimate_correction", "Factor applied to the route's estimate, learnt from measured peaks.",
                 ["route"], namespace=namespace, registry=registry, multiprocess_mode="livemax",
             )

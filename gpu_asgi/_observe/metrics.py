@@ -15,11 +15,11 @@ import os
 from collections.abc import Collection, Iterator
 from typing import Any
 
-from .._admission.tenant_keys import OTHER_TENANT_LABEL, named_tenants, tenant_label
 from .._device.sampler import DeviceSampler
 from .._ledger.contract import BudgetLedger, LedgerStatistics
 from .._ledger.legacy import as_budget_ledger
 from .._ledger.tenants import DEFAULT_TENANT
+from .labels import OTHER_TENANT_LABEL, named_tenants, tenant_label
 from .tracing import ADMITTED
 
 PROMETHEUS_MISSING = "gpu_asgi's Prometheus metrics need prometheus-client: pip install 'gpu_asgi[prometheus]'."

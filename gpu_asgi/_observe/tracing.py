@@ -13,14 +13,14 @@ no convention exists.
 from __future__ import annotations
 
 import sys
-import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer, TracerProvider
+
+from .._device.binding import ThreadBinding, thread_binding
 
 INSTRUMENTATION_NAME = "gpu_asgi"
 INSTRUMENTATION_VERSION = "0.1.0"
@@ -135,27 +135,6 @@ def end_queue_wait(
 # -- phases inside the endpoint ----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ThreadBinding:
-    """What a :class:`DeviceExecutor` thread tells ``gpu_phase``: its device, tracer and sync."""
-
-    device: str
-    tracer: Tracer
-    synchronize: bool
-    sync: Callable[[], None] | None
-
-
-_thread = threading.local()
-
-
-def bind_thread(binding: ThreadBinding | None) -> None:
-    _thread.binding = binding
-
-
-def thread_binding() -> ThreadBinding | None:
-    return getattr(_thread, "binding", None)
-
-
 class Phase:
     """The span of one phase; ``set(tokens_out=...)`` adds what is known only at the end."""
 
@@ -202,10 +181,9 @@ def gpu_phase(
     the span ends, so the span measures the GPU work and not just the kernel launches.
     """
     binding = thread_binding()
-    if tracer_provider is not None:
-        tracer = get_tracer(tracer_provider)
-    else:
-        tracer = binding.tracer if binding is not None else _default_tracer
+    if tracer_provider is None and binding is not None:
+        tracer_provider = binding.tracer_provider
+    tracer = _default_tracer if tracer_provider is None else get_tracer(tracer_provider)
     span_attributes = phase_attributes(values)
     if binding is not None:
         span_attributes.setdefault(DEVICE, binding.device)

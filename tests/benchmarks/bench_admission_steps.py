@@ -1,4 +1,4 @@
-"""Where a tagged request's admission time goes: each step of ``GPUAdmissionMiddleware.admit``
+"""Where a tagged request's admission time goes: each step of the gate's ``admit``
 timed alone, beside the whole of it, on the body ``bench_overhead`` sends.
 
     python -m tests.benchmarks.bench_admission_steps [--requests 100000] [--rounds 3]
@@ -25,9 +25,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gpu_asgi import DEFAULT_TENANT, GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation
+from gpu_asgi import DEFAULT_TENANT, Ledger, LinearEstimator, Reservation
 from gpu_asgi._admission.body import check_headers, parse_request, read_body
-from gpu_asgi._asgi.routes import RouteSpec
+from gpu_asgi._admission.gate import Gate
+from gpu_asgi._admission.spec import RouteSpec
+from gpu_asgi._estimate.tokens import HeuristicTokenCounter
+from gpu_asgi._observe.tracing import get_tracer
 
 from ._report import table, write_report
 from .bench_overhead import BODY, build, scope_for
@@ -36,22 +39,29 @@ PROMPT = "word " * 196  # what parse_request finds in BODY
 
 
 class GrantingLedger:
-    """Reference only: grants every ``try_reserve`` and keeps no account, so ``admit()`` with it
+    """Reference only: grants every ``reserve_if_free`` and keeps no account, so ``admit()`` with it
     costs everything but the ledger's own work (a ``Reservation`` is still built and released)."""
 
     devices = ("cuda:0",)
+    max_wait = 30.0
 
-    def try_reserve(self, nbytes: int, *, devices: Any = None, tenant: str = DEFAULT_TENANT) -> Reservation:
+    async def reserve_if_free(self, nbytes: int, *, devices: Any = None, tenant: str = DEFAULT_TENANT) -> Reservation:
         return Reservation(self, "r", "cuda:0", nbytes, 0.0, tenant)  # type: ignore[arg-type]
 
-    def _give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
+    def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
         pass
 
 
-async def run(requests: int, rounds: int) -> dict[str, float]:
-    middleware = GPUAdmissionMiddleware(
-        lambda scope, receive, send: None, ledger=Ledger(1 << 40), estimator=LinearEstimator(bytes_per_token=1)
+def gate(ledger: Any) -> Gate:
+    """A gate as ``GPUAdmissionMiddleware`` builds it with its defaults."""
+    return Gate(
+        ledger=ledger, estimator=LinearEstimator(bytes_per_token=1), token_counter=HeuristicTokenCounter(),
+        max_body_bytes=1 << 20, body_timeout=30.0, tenant_key=(), tenant_labels=frozenset(), tracer=get_tracer(),
     )
+
+
+async def run(requests: int, rounds: int) -> dict[str, float]:
+    admitting = gate(Ledger(1 << 40))
     spec = RouteSpec()
     message = {"type": "http.request", "body": BODY, "more_body": False}
     template = scope_for("/generate", "POST", None)  # type: ignore[arg-type]
@@ -62,15 +72,11 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
     async def send(message: dict[str, Any]) -> None:
         pass
 
-    granting = GPUAdmissionMiddleware(
-        lambda scope, receive, send: None, ledger=GrantingLedger(),  # type: ignore[arg-type]
-        estimator=LinearEstimator(bytes_per_token=1),
-    )
+    granting = gate(GrantingLedger())
 
-    async def whole(admitting: GPUAdmissionMiddleware = middleware) -> None:
-        granted = await admitting.admit(spec, dict(template), receive, send)
-        assert granted is not None
-        granted[0].release()
+    async def whole(through: Gate = admitting) -> None:
+        admission = await through.admit(dict(template), receive, spec)
+        admission.reservation.release()
 
     bare_app = build(False)
 
@@ -86,15 +92,15 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         await whole_granting()
 
     async def body() -> None:
-        await read_body(receive, 1 << 20, 30.0, middleware._deadlines)
+        await read_body(receive, 1 << 20, 30.0)
 
     def span() -> None:
-        started = middleware._tracer.start_span("step")
+        started = admitting.tracer.start_span("step")
         started.is_recording()
         started.end()
 
     def reserve() -> None:
-        reservation = middleware.ledger.try_reserve(1000)
+        reservation = admitting.ledger.try_reserve(1000)
         assert reservation is not None
         reservation.release()
 
@@ -107,8 +113,8 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         "check_headers": lambda: check_headers(template, 1 << 20),
         "read_body (with its deadline)": body,
         "parse_request": lambda: parse_request(BODY, spec, lambda: "route") and None,
-        "count tokens (heuristic)": lambda: middleware.token_counter.count(PROMPT) and None,
-        "estimate": lambda: middleware.estimator.estimate(200, 64, 1) and None,
+        "count tokens (heuristic)": lambda: admitting.token_counter.count(PROMPT) and None,
+        "estimate": lambda: admitting.estimator.estimate(200, 64, 1) and None,
         "queue-wait span (no SDK)": span,
         "ledger try_reserve + release": reserve,
         "bare Starlette request": bare_request,

@@ -9,7 +9,8 @@ import argparse
 import timeit
 
 from gpu_asgi import TenantKey
-from gpu_asgi._admission.tenant_keys import find_tenant, tenant_label
+from gpu_asgi._admission.tenant_keys import find_tenant
+from gpu_asgi._observe.labels import tenant_label
 
 from ._report import table
 
