@@ -43,6 +43,7 @@ from ._estimate.linear import (
     cuda_peak_measurer,
     fit_linear,
 )
+from ._estimate.paged import PagedKVEstimator, paged_kv_budget
 from ._estimate.tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 from ._ledger.contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation
 from ._ledger.memory import Ledger
@@ -93,6 +94,7 @@ __all__ = [
     "NeverFits",
     "NoDeviceProbe",
     "OverTenantQuota",
+    "PagedKVEstimator",
     "PeakCalibration",
     "Phase",
     "Probe",
@@ -121,4 +123,5 @@ __all__ = [
     "health_report",
     "health_router",
     "ledger_from_url",
+    "paged_kv_budget",
 ]
