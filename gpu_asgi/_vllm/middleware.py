@@ -30,6 +30,13 @@ from .settings import SettingsError, VLLMSettings
 logger = logging.getLogger("gpu_asgi.vllm")
 
 
+def startup_logger() -> logging.Logger:
+    """Where the startup lines go: under vLLM's own logger once vLLM has set up its handler (its
+    logging setup leaves other loggers' lines unseen at startup), else ``gpu_asgi.vllm``."""
+    vllm = logging.getLogger("vllm")
+    return vllm.getChild("gpu_asgi") if vllm.handlers else logger
+
+
 def budget_for(server: VLLMServer, oversubscribe: float) -> int:
     """Bytes of the cache's usable blocks, times the over-subscription factor, in whole blocks."""
     blocks = max(1, int(server.usable_blocks * oversubscribe))
@@ -75,7 +82,7 @@ def build(app: ASGIApp, vllm_app: Any, environ: Mapping[str, str], registry: Any
     metrics = None if registry is None else GPUMetrics(
         ledger, registry=registry, shared_ledger=settings.ledger_url is not None
     )
-    logger.warning(  # vLLM's logging setup shows WARNING and up from other loggers at startup
+    startup_logger().info(
         "gpu_asgi admits %s against %d bytes (%s, over-subscription %g, ledger %s)",
         ", ".join(tagged), budget, server.describe(), settings.oversubscribe, settings.ledger_url or "in-process",
     )
@@ -125,7 +132,7 @@ class VLLMAdmission:
             admission = self._admission = self._build(scope)
         except (SettingsError, ServerNotReady, ValueError) as error:
             problem = f"gpu_asgi.vllm cannot start: {error}"
-            logger.error("%s", problem)
+            startup_logger().error("%s", problem)
             if (await receive())["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.failed", "message": problem})
             raise RuntimeError(problem) from None
