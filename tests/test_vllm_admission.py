@@ -159,6 +159,10 @@ def vllm_like_app(state: Any, environ: Mapping[str, str], registry: Any, hold: a
     async def chat(body: dict[str, Any], request: Request) -> dict[str, Any]:
         return admitted(request)
 
+    @app.post("/v1/responses")
+    async def responses(body: dict[str, Any], request: Request) -> dict[str, Any]:
+        return admitted(request)
+
     @app.post("/v1/embeddings")
     async def embeddings(body: dict[str, Any], request: Request) -> dict[str, Any]:
         return admitted(request)
@@ -203,6 +207,14 @@ async def test_counts_exactly_what_vllm_tokenizes() -> None:
         # No max_tokens: vLLM generates up to max_model_len, and that is what is reserved.
         unset = (await client.post("/v1/completions", json={"prompt": text})).json()
         assert unset["bytes"] == 1024 // BLOCK * BLOCK * KV_BYTES_PER_TOKEN
+        # Responses: instructions as the system message, then the input, through the template.
+        answer = (await client.post("/v1/responses", json={"input": "Say hi.", "instructions": "Be brief.",
+                                                            "max_output_tokens": 7})).json()
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+            tokenize=False, add_generation_prompt=True,
+        )
+        assert (answer["prompt_tokens"], answer["max_new_tokens"]) == (len(tokenizer.encode(rendered)), 7)
         # Other routes pass through, unadmitted.
         assert (await client.post("/v1/embeddings", json={"input": "x"})).json() == {"admitted": False}
 
@@ -258,3 +270,37 @@ async def test_startup_fails_with_the_reason(environ: dict[str, str], state: dic
     assert messages[0]["type"] == "lifespan.startup.failed"
     assert message in messages[0]["message"]
     assert json.dumps(messages)  # a plain message a server can log
+
+
+async def test_tags_an_alias_and_leaves_the_endpoint_function_alone() -> None:
+    """The route's endpoint is replaced by a tagged alias; the function itself (shared by every app
+    in the process, as vLLM's module-level endpoints are) carries no tag."""
+    from gpu_asgi._asgi.routes import route_spec_of
+
+    app = vllm_like_app(vllm_state(), {}, CollectorRegistry(), asyncio.Event())
+    route = next(r for r in app.routes if getattr(r, "path", "") == "/v1/completions")
+    original = route.endpoint
+    sent: list[Any] = []
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, _startup_then_shutdown(), _collect(sent))
+    assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert route.endpoint is not original and route.endpoint.__name__ == original.__name__
+    assert route_spec_of(route.endpoint, "POST") is not None
+    assert route_spec_of(original, "POST") is None
+    embeddings = next(r for r in app.routes if getattr(r, "path", "") == "/v1/embeddings")
+    assert route_spec_of(embeddings.endpoint, "POST") is None
+
+
+def _startup_then_shutdown() -> Any:
+    messages = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+
+    async def receive() -> dict[str, Any]:
+        return next(messages)
+
+    return receive
+
+
+def _collect(sent: list[Any]) -> Any:
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    return send
