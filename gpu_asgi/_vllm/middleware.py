@@ -130,7 +130,7 @@ class VLLMAdmission:
     async def _start(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             admission = self._admission = self._build(scope)
-        except (SettingsError, ServerNotReady, ValueError) as error:
+        except (SettingsError, ServerNotReady, ValueError, ImportError) as error:  # ImportError: the redis extra
             problem = f"gpu_asgi.vllm cannot start: {error}"
             startup_logger().error("%s", problem)
             if (await receive())["type"] == "lifespan.startup":

@@ -175,10 +175,11 @@ def plot(rows: Sequence[Row], path: str) -> None:
     ax.axhline(alone.tokens_per_s, color="grey", linestyle="--", label="vLLM alone: tokens/s")
     ax.set_xlabel("GPU_ASGI_OVERSUBSCRIBE")
     ax.set_ylabel("completed tokens/s")
+    ax.set_ylim(bottom=0)
     twin = ax.twinx()
     twin.bar(factors, [r.preemptions for r in gpu], width=0.08, alpha=0.3, color="red", label="preemptions")
     twin.set_ylabel("vLLM preemptions")
-    fig.legend(loc="upper left", fontsize=8)
+    fig.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
