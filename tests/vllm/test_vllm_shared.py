@@ -8,6 +8,7 @@ the bytes all back, and both processes did admit."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -36,11 +37,20 @@ def shared(redis_server: RedisServer) -> Iterator[VLLMProcess]:
     env = {"GPU_ASGI_LEDGER_URL": redis_server.url, "GPU_ASGI_LEDGER_NAMESPACE": NAMESPACE, "GPU_ASGI_MAX_WAIT": "300"}
     server = _server.start("shared", middleware=True, env=env, args=["--api-server-count", "2", "--enable-log-requests"], cli=True)
     with _server.running(server):
+        # /health answers as soon as one process is up: wait for both to have started gpu_asgi.
+        deadline = time.monotonic() + _server.STARTUP_TIMEOUT
+        while len(startup_lines(server)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2)  # the second process's "startup complete" follows its gpu_asgi line
         yield server
 
 
+def startup_lines(server: VLLMProcess) -> list[str]:
+    return [line for line in server.log.read_text(errors="replace").splitlines() if "gpu_asgi admits" in line]
+
+
 def test_two_processes_start_with_the_shared_ledger(shared: VLLMProcess) -> None:
-    lines = [line for line in shared.log.read_text(errors="replace").splitlines() if "gpu_asgi admits" in line]
+    lines = startup_lines(shared)
     assert len(lines) == 2  # one per API server process
     assert all("ledger redis://" in line for line in lines)
 
