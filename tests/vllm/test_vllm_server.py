@@ -114,8 +114,10 @@ async def test_streaming_holds_the_bytes_to_the_last_chunk(admitted: VLLMProcess
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chunks += 1
-                    if chunks in (1, 150):
+                    if chunks == 1:  # vLLM has 299 tokens still to generate: the bytes are held
                         assert reserved_bytes(admitted.url) == 3 * 128 * 4096  # ~320 tokens: 3 blocks
+                    # Later chunks are not checked: the server may have sent its last chunk (and
+                    # released) while this client still reads the ones buffered before it.
         assert chunks >= 300
     await wait_for(lambda: reserved_bytes(admitted.url) == 0, timeout=10)
 
