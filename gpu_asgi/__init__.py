@@ -33,6 +33,7 @@ from ._errors import (
 from ._estimate.analytic import AnalyticEstimator
 from ._estimate.calibration import CalibratedEstimator, PeakCalibration
 from ._estimate.linear import Estimator, LinearEstimator, budget_bytes, calibrate, cuda_peak_measurer, fit_linear
+from ._estimate.paged import PagedKVEstimator, paged_kv_budget
 from ._estimate.tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 from ._ledger.contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation
 from ._ledger.memory import Ledger
@@ -60,11 +61,10 @@ __all__ = [  # noqa: RUF022 - grouped by what a user does, not sorted
     "CalibratedEstimator",
     "Estimator",
     "LinearEstimator",
+    "PagedKVEstimator",
     "PeakCalibration",
     "budget_bytes",
-    "calibrate",
-    "cuda_peak_measurer",
-    "fit_linear",
+    "paged_kv_budget",
     "HFTokenCounter",
     "HeuristicTokenCounter",
     "TokenCounter",
@@ -92,7 +92,6 @@ __all__ = [  # noqa: RUF022 - grouped by what a user does, not sorted
     "Lifecycle",
     "configure_tracing",
     "gpu_phase",
-    "health_report",
     "health_router",
     # errors a caller of a ledger or of the middleware's API can receive
     "AdmissionRejected",
@@ -104,8 +103,10 @@ __all__ = [  # noqa: RUF022 - grouped by what a user does, not sorted
 ]
 
 #: Public, importable from here, and documented, but not in ``__all__``: the types of values the
-#: API returns that a user rarely names, the concrete probes ``auto_probe`` picks, and constants.
-_ALSO_PUBLIC: tuple[type, ...] = (
+#: API returns that a user rarely names, the concrete probes ``auto_probe`` picks, the helpers of
+#: the calibration workflow and of a hand-made health endpoint, and constants.
+_ALSO_PUBLIC: tuple[Any, ...] = (
+    calibrate, cuda_peak_measurer, fit_linear, health_report,
     DeviceReading, DeviceSnapshot, DeviceStatistics, NVMLProbe, NoDeviceProbe, Phase, ShuttingDown, TenantStatistics,
     TorchProbe,
 )

@@ -1,0 +1,1 @@
+"""gpu_asgi for vLLM's OpenAI server (``gpu_asgi.vllm`` is the public name)."""

@@ -1,0 +1,148 @@
+"""``VLLMAdmission``: gpu_asgi for vLLM's OpenAI server, attached with one ``--middleware`` line.
+
+vLLM builds a ``--middleware`` class as ``Class(app)``, with nothing else to say, before its engine
+is known to the class. So the class does its work when the server starts (the ASGI lifespan, when
+vLLM's ``app.state`` holds the running engine): it reads the ``GPU_ASGI_*`` settings, learns the KV
+cache and the model from the engine, tags the generating routes, and from then on is a
+``GPUAdmissionMiddleware`` with a ``PagedKVEstimator`` over a budget of the cache's usable blocks.
+A setting or a server it cannot use stops the startup with the reason (``lifespan.startup.failed``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .._asgi.middleware import GPUAdmissionMiddleware
+from .._asgi.routes import declared_routes
+from .._estimate.paged import PagedKVEstimator
+from .._estimate.tokens import HFTokenCounter
+from .._ledger.contract import BudgetLedger
+from .._ledger.memory import Ledger
+from .._observe.metrics import GPUMetrics
+from .._types import ASGIApp, Message, Receive, Scope, Send
+from .routes import route_specs, tag_routes
+from .server import ServerNotReady, VLLMServer, learn
+from .settings import SettingsError, VLLMSettings
+
+logger = logging.getLogger("gpu_asgi.vllm")
+
+
+def startup_logger() -> logging.Logger:
+    """Where the startup lines go: under vLLM's own logger once vLLM has set up its handler (its
+    logging setup leaves other loggers' lines unseen at startup), else ``gpu_asgi.vllm``."""
+    vllm = logging.getLogger("vllm")
+    return vllm.getChild("gpu_asgi") if vllm.handlers else logger
+
+
+def budget_for(server: VLLMServer, oversubscribe: float) -> int:
+    """Bytes of the cache's usable blocks, times the over-subscription factor, in whole blocks."""
+    blocks = max(1, int(server.usable_blocks * oversubscribe))
+    return blocks * server.block_size * server.kv_bytes_per_token
+
+
+def build_ledger(settings: VLLMSettings, budget: int) -> BudgetLedger:
+    """This process's ledger, or the Redis one that every API server process of the cache shares."""
+    common: dict[str, Any] = {
+        "max_queue": settings.max_queue, "max_wait": settings.max_wait, "tenants": settings.tenant_policies(),
+    }
+    if settings.ledger_url is None:
+        return Ledger(budget, **common)
+    from .._ledger.redis.ledger import RedisLedger  # the redis extra, only when asked for
+
+    return RedisLedger(settings.ledger_url, budget, namespace=settings.namespace, **common)
+
+
+def prometheus_registry() -> Any:
+    """The registry vLLM's ``/metrics`` serves (prometheus-client's global one), or None without it."""
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:  # pragma: no cover - vLLM depends on prometheus-client
+        return None
+    return REGISTRY
+
+
+def build(app: ASGIApp, vllm_app: Any, environ: Mapping[str, str], registry: Any = None) -> GPUAdmissionMiddleware:
+    """The admission middleware around ``app``, sized from the vLLM server ``vllm_app``; its metrics
+    in ``registry`` (default: the one vLLM's ``/metrics`` serves)."""
+    settings = VLLMSettings.from_env(environ)
+    server = learn(getattr(vllm_app, "state", None))
+    estimator = PagedKVEstimator(
+        bytes_per_token=server.kv_bytes_per_token, block_size=server.block_size, max_sequence_tokens=server.max_model_len
+    )
+    budget = budget_for(server, settings.oversubscribe)
+    routes = declared_routes(vllm_app)
+    tagged = tag_routes(routes or (), route_specs(server, estimator))
+    if not tagged:
+        raise ServerNotReady("vLLM serves none of /v1/completions, /v1/chat/completions, /v1/responses: nothing to admit")
+    ledger = build_ledger(settings, budget)
+    registry = prometheus_registry() if registry is None else registry
+    metrics = None if registry is None else GPUMetrics(
+        ledger, registry=registry, shared_ledger=settings.ledger_url is not None
+    )
+    startup_logger().info(
+        "gpu_asgi admits %s against %d bytes (%s, over-subscription %g, ledger %s)",
+        ", ".join(tagged), budget, server.describe(), settings.oversubscribe, settings.ledger_url or "in-process",
+    )
+    return GPUAdmissionMiddleware(
+        app,
+        ledger=ledger,
+        estimator=estimator,
+        token_counter=HFTokenCounter(server.tokenizer),
+        reject_status=settings.reject_status,
+        metrics=metrics,
+        openai_errors=True,
+        tenant_key=settings.tenant_key,
+    )
+
+
+class VLLMAdmission:
+    """``--middleware gpu_asgi.vllm.VLLMAdmission``: admit vLLM's generating requests by KV blocks.
+
+    ``environ`` (default ``os.environ``, read at startup) holds the ``GPU_ASGI_*`` settings;
+    ``registry`` takes gpu_asgi's metrics (default: prometheus-client's, which vLLM's ``/metrics`` serves).
+    """
+
+    def __init__(self, app: ASGIApp, *, environ: Mapping[str, str] | None = None, registry: Any = None) -> None:
+        self.app = app
+        self._environ = environ
+        self._registry = registry
+        self._admission: GPUAdmissionMiddleware | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        admission = self._admission
+        if admission is not None:
+            await admission(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._start(scope, receive, send)
+        elif scope["type"] == "http":  # a host that runs no lifespan: start on the first request
+            self._admission = self._build(scope)
+            await self._admission(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    def _build(self, scope: Scope) -> GPUAdmissionMiddleware:
+        environ = os.environ if self._environ is None else self._environ
+        return build(self.app, scope.get("app"), environ, self._registry)
+
+    async def _start(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            admission = self._admission = self._build(scope)
+        except (SettingsError, ServerNotReady, ValueError, ImportError) as error:  # ImportError: the redis extra
+            problem = f"gpu_asgi.vllm cannot start: {error}"
+            startup_logger().error("%s", problem)
+            if (await receive())["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.failed", "message": problem})
+            raise RuntimeError(problem) from None
+        ledger = admission.ledger
+
+        async def send_closing(message: Message) -> None:
+            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                aclose = getattr(ledger, "aclose", None)  # the Redis ledger's heartbeat and connections
+                if aclose is not None:
+                    await aclose()
+            await send(message)
+
+        await admission(scope, receive, send_closing)

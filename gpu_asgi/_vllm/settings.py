@@ -1,0 +1,154 @@
+"""The few settings of vLLM's admission that vLLM cannot tell: read from ``GPU_ASGI_*`` variables.
+
+vLLM builds a ``--middleware`` class with no arguments, so its settings come from the environment,
+read here and nowhere else, once at startup. A variable that is unknown (a typo), malformed or out
+of range stops the server with a message naming it, rather than being ignored or failing later.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from .._admission.tenant_keys import TenantKey
+from .._ledger.contract import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT
+from .._ledger.tenants import TenantPolicy
+
+PREFIX = "GPU_ASGI_"
+#: Variables of the test suite's own apps (tests/_redis_app.py), not settings of this integration.
+_NOT_OURS = "GPU_ASGI_TEST_"
+DEFAULT_NAMESPACE = "gpu_asgi:vllm"
+#: The largest over-subscription accepted: beyond it vLLM preempts on nearly every step.
+MAX_OVERSUBSCRIBE = 4.0
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """A ``GPU_ASGI_*`` variable is unknown or invalid; the message names it and what it takes."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VLLMSettings:
+    """What gpu_asgi adds to vLLM, beyond what it learns from the server (docs/vllm.md)."""
+
+    #: ``GPU_ASGI_MAX_WAIT``: seconds a request waits for KV-cache room at most (and the cap on
+    #: its ``x-request-timeout``), then 503/429 with ``Retry-After``.
+    max_wait: float = DEFAULT_MAX_WAIT
+    #: ``GPU_ASGI_MAX_QUEUE``: requests waiting at once at most (per process); more are refused.
+    max_queue: int = DEFAULT_MAX_QUEUE
+    #: ``GPU_ASGI_REJECT_STATUS``: 503 or 429, the status of an overload refusal.
+    reject_status: int = 503
+    #: ``GPU_ASGI_TENANT_KEY``: where a request's tenant is read, tried in order (empty: no tenants).
+    tenant_key: tuple[TenantKey, ...] = ()
+    #: ``GPU_ASGI_TENANT_WEIGHTS``: fair-share weights of named tenants (others weigh 1).
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    #: ``GPU_ASGI_LEDGER_URL``: ``redis://...`` to share one budget between API server processes
+    #: or replicas on one GPU; unset: this process alone.
+    ledger_url: str | None = None
+    #: ``GPU_ASGI_LEDGER_NAMESPACE``: the Redis keys' prefix: one per shared KV cache.
+    namespace: str = DEFAULT_NAMESPACE
+    #: ``GPU_ASGI_OVERSUBSCRIBE``: admit up to this many times the KV cache (1.0: never preempt).
+    oversubscribe: float = 1.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> VLLMSettings:
+        """The settings in ``environ`` (``os.environ``); unset variables keep their defaults."""
+        ours = {name: value for name, value in environ.items() if name.startswith(PREFIX) and not name.startswith(_NOT_OURS)}
+        unknown = sorted(set(ours) - set(_PARSERS))
+        if unknown:
+            raise SettingsError(
+                f"unknown setting {', '.join(unknown)}: gpu_asgi.vllm reads {', '.join(sorted(_PARSERS))} (docs/vllm.md)"
+            )
+        values = {}
+        for name, value in ours.items():
+            attribute, parse = _PARSERS[name]
+            try:
+                values[attribute] = parse(value.strip())
+            except ValueError as error:
+                raise SettingsError(f"{name}={value!r}: {error}") from None
+        return cls(**values)  # type: ignore[arg-type]
+
+    def tenant_policies(self) -> dict[str, TenantPolicy]:
+        return {name: TenantPolicy(weight=weight) for name, weight in self.tenant_weights.items()}
+
+
+def _number(kind: Callable[[str], T], low: float, high: float, what: str) -> Callable[[str], T]:
+    def parse(text: str) -> T:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"expected {what}") from None
+        if not low <= value <= high:  # type: ignore[operator]
+            raise ValueError(f"expected {what}")
+        return value
+
+    return parse
+
+
+def _reject_status(text: str) -> int:
+    if text not in ("429", "503"):
+        raise ValueError("expected 429 or 503")
+    return int(text)
+
+
+def _tenant_keys(text: str) -> tuple[TenantKey, ...]:
+    """``api-key``, ``header:NAME`` or ``field:NAME`` (``user`` is ``field:user``), comma-separated."""
+    keys = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, name = item.partition(":")
+        if item == "api-key":
+            keys.append(TenantKey.api_key())
+        elif item == "user":
+            keys.append(TenantKey.body_field("user"))
+        elif kind == "header" and name:
+            keys.append(TenantKey.header(name))
+        elif kind == "field" and name:
+            keys.append(TenantKey.body_field(name))
+        else:
+            raise ValueError(f"{item!r} is not api-key, user, header:NAME or field:NAME")
+    return tuple(keys)
+
+
+def _tenant_weights(text: str) -> dict[str, float]:
+    """``name=weight`` pairs, comma-separated (an API-key tenant's name: ``gpu_asgi.api_key_tenant``)."""
+    weights = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, raw = item.rpartition("=")
+        try:
+            weight = float(raw)
+        except ValueError:
+            weight = math.nan
+        if not sep or not name.strip() or not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{item!r} is not name=weight with a positive weight")
+        weights[name.strip()] = weight
+    return weights
+
+
+def _ledger_url(text: str) -> str | None:
+    scheme = text.partition("://")[0].lower()
+    if not text or scheme == "memory":
+        return None
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("expected redis://, rediss://, unix:// or memory://")
+    return text
+
+
+def _namespace(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise ValueError("expected a non-empty name without spaces")
+    return text
+
+
+_PARSERS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "GPU_ASGI_MAX_WAIT": ("max_wait", _number(float, 0.001, 86_400, "seconds from 0.001 to 86400")),
+    "GPU_ASGI_MAX_QUEUE": ("max_queue", _number(int, 0, 1_000_000, "an integer from 0 to 1000000")),
+    "GPU_ASGI_REJECT_STATUS": ("reject_status", _reject_status),
+    "GPU_ASGI_TENANT_KEY": ("tenant_key", _tenant_keys),
+    "GPU_ASGI_TENANT_WEIGHTS": ("tenant_weights", _tenant_weights),
+    "GPU_ASGI_LEDGER_URL": ("ledger_url", _ledger_url),
+    "GPU_ASGI_LEDGER_NAMESPACE": ("namespace", _namespace),
+    "GPU_ASGI_OVERSUBSCRIBE": ("oversubscribe", _number(float, 0.1, MAX_OVERSUBSCRIBE, f"a factor from 0.1 to {MAX_OVERSUBSCRIBE:g}")),
+}

