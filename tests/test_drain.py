@@ -212,3 +212,28 @@ async def test_both_ledgers_read_the_rate_as_of_now_between_releases(backend: Ba
         await asyncio.wait_for(ledger.reserve(50, wait_limit=5), 10)
     assert refused.value.retry_after == pytest.approx(50 / expected, rel=1e-9)
     holder.release()
+
+
+async def test_a_zero_byte_reservation_alone_is_no_busy_time_in_either_ledger(backend: Backend) -> None:
+    """Busy time is time with bytes reserved, in both ledgers: 100 bytes held for 2 s and given
+    back, then only a zero-byte reservation for 10 s: the rate is still that of the 2 busy seconds
+    (the in-process ledger once counted the 10 s too, from the zero-byte grant on, and Redis not)."""
+    ledger = backend.make(100, max_wait=1000)
+    reservation = await ledger.reserve(100)
+    backend.clock.advance(2)
+    reservation.release()
+    await backend.quiet()  # Redis: the release is sent in the background
+    empty = await ledger.reserve(0)
+    backend.clock.advance(10)
+    expected = 100 / (RATE_WINDOW * -math.expm1(-2 / RATE_WINDOW))
+    refresh = getattr(ledger, "refresh_statistics", None)  # Redis: a snapshot of this instant
+    stats = await refresh() if refresh is not None else ledger.statistics()
+    assert stats.release_rate_bytes_per_second == pytest.approx(expected, rel=1e-9)
+    empty.release()
+    await backend.quiet()
+    holder = await ledger.reserve(100)  # bytes reserved again: the time counts from here
+    backend.clock.advance(1)
+    stats = await refresh() if refresh is not None else ledger.statistics()
+    later = 100 * math.exp(-1 / RATE_WINDOW) / (RATE_WINDOW * -math.expm1(-3 / RATE_WINDOW))
+    assert stats.release_rate_bytes_per_second == pytest.approx(later, rel=1e-9)
+    holder.release()

@@ -266,7 +266,9 @@ class Ledger(LedgerBase):
         return self._fair.fits(tenant, nbytes)
 
     def _grant(self, device: _Device, nbytes: int, waited: float, tenant: str, now: float) -> Reservation:
-        self._drain.advance(now, busy=True)
+        # Busy while bytes are reserved (as _returned and the Lua scripts' finish()): a zero-byte
+        # grant with nothing else reserved leaves the drain rate's clock idle.
+        self._drain.advance(now, busy=self._reserved + nbytes > 0)
         self._fair.hold(tenant, nbytes, 1, now)
         device.reserved += nbytes
         device.in_flight += 1
