@@ -179,8 +179,8 @@ def plot(rows: Sequence[Row], path: str) -> None:
     twin = ax.twinx()
     twin.bar(factors, [r.preemptions for r in gpu], width=0.08, alpha=0.3, color="red", label="preemptions")
     twin.set_ylabel("vLLM preemptions")
-    fig.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # the legend below the axes, clear of the data
     fig.savefig(path, dpi=120)
 
 
@@ -216,7 +216,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", help="write the over-subscription plot (PNG) here")
     parser.add_argument("--tenant-seconds", type=float, default=40.0)
-    parser.add_argument("--period", type=float, default=4.0, help="seconds between the tenants' sends")
+    parser.add_argument("--period", type=float, default=2.0, help="seconds between the tenants' sends")
     args = parser.parse_args()
     common = {"GPU_ASGI_MAX_WAIT": "600", "GPU_ASGI_TENANT_KEY": "header:x-tenant", "GPU_ASGI_TENANT_WEIGHTS": TENANT_WEIGHTS}
     started = [_server.start("alone", middleware=False), _server.start("gpu_asgi-1.0", middleware=True, env=common)]
