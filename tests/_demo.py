@@ -73,3 +73,19 @@ def ledger_of(app: Any) -> Any:
 
 def batcher_of(app: Any) -> Any:
     return app.state.service.batcher
+
+
+async def bytes_back_after_the_batch(app: Any, timeout: float = 60) -> bool:
+    """Wait until the demo's ledger holds no bytes; whether the batch had left the device
+    whenever the ledger was seen empty (bytes given back while the device still ran are a leak)."""
+    ledger, batcher = ledger_of(app), batcher_of(app)
+    early: list[bool] = []
+
+    def released() -> bool:
+        free = ledger.statistics().reserved_bytes == 0
+        if free and not batcher.idle:
+            early.append(True)
+        return free
+
+    await wait_until(released, timeout=timeout)
+    return not early

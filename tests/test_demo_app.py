@@ -18,7 +18,16 @@ from demo_service import BucketedEstimator, DemoSettings, LoadedModel, create_ap
 from gpu_asgi import AnalyticEstimator
 
 from ._asgi import client, wait_until
-from ._demo import batcher_of, ledger_of, loaded_model, model_dir, running, serving, settings
+from ._demo import (
+    batcher_of,
+    bytes_back_after_the_batch,
+    ledger_of,
+    loaded_model,
+    model_dir,
+    running,
+    serving,
+    settings,
+)
 
 PROBLEM = "application/problem+json"
 
@@ -187,18 +196,9 @@ async def test_client_that_disconnects_mid_stream_frees_its_bytes_and_stops_gene
         assert head.startswith(b"HTTP/1.1 200")
         assert ledger.statistics().reserved_bytes > 0
         writer.close()  # the client goes away after the first token
-        released_while_busy = []
-
-        def released() -> bool:
-            free = ledger.statistics().reserved_bytes == 0
-            if free and not batcher.idle:
-                released_while_busy.append(True)
-            return free
-
-        await wait_until(released, timeout=60)
         # The bytes came back only once the batch had left the device, and it stopped early:
         # far fewer than 1,024 tokens were generated.
-        assert not released_while_busy
+        assert await bytes_back_after_the_batch(app)
         await wait_until(lambda: batcher.idle, timeout=60)
         assert batcher.tokens_generated < 200
         # And the device is free for the next request at once.

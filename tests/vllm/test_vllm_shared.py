@@ -13,23 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests import _redis
 from tests._redis import RedisServer, requires_redis_server
 
 from . import _server
 from ._server import VLLMProcess, burst, metrics, preemptions
 
 pytestmark = requires_redis_server
+redis_server = _redis.redis_server  # a fixture: one server for the module
 NAMESPACE = "gpu_asgi:vllm-test"
 RECEIVED = re.compile(r"^\(\w+ pid=(\d+)\).*Received request", re.MULTILINE)
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
