@@ -3,7 +3,7 @@
 ``POST /work`` (GPU-bound, ``LinearEstimator(bytes_per_token=1000)``) adds its reservation's bytes
 to a counter in Redis while it "works" for ``hold`` seconds and keeps the counter's maximum, so
 the test can see the sum across every worker; it also records which process holds which
-reservation. Configured by ``GPU_ASGI_TEST_*`` environment variables.
+reservation. Configured by ``GPUASGI_TEST_*`` environment variables.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from starlette.routing import Route
 from gpu_asgi import GPUAdmissionMiddleware, LinearEstimator, gpu_bound, gpu_reservation
 from gpu_asgi._ledger.redis.ledger import RedisLedger
 
-URL = os.environ["GPU_ASGI_TEST_REDIS_URL"]
-NAMESPACE = os.environ["GPU_ASGI_TEST_NAMESPACE"]
-BUDGET = int(os.environ["GPU_ASGI_TEST_BUDGET"])
-LEASE_TTL = float(os.environ.get("GPU_ASGI_TEST_LEASE_TTL", "2.0"))
+URL = os.environ["GPUASGI_TEST_REDIS_URL"]
+NAMESPACE = os.environ["GPUASGI_TEST_NAMESPACE"]
+BUDGET = int(os.environ["GPUASGI_TEST_BUDGET"])
+LEASE_TTL = float(os.environ.get("GPUASGI_TEST_LEASE_TTL", "2.0"))
 BYTES_PER_TOKEN = 1000
 
 ledger = RedisLedger(URL, BUDGET, namespace=NAMESPACE, lease_ttl=LEASE_TTL, max_wait=60.0)

@@ -50,10 +50,10 @@ def cluster(redis_server: RedisServer) -> Iterator[Cluster]:
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
-        "GPU_ASGI_TEST_REDIS_URL": redis_server.url,
-        "GPU_ASGI_TEST_NAMESPACE": NAMESPACE,
-        "GPU_ASGI_TEST_BUDGET": str(BUDGET),
-        "GPU_ASGI_TEST_LEASE_TTL": str(LEASE_TTL),
+        "GPUASGI_TEST_REDIS_URL": redis_server.url,
+        "GPUASGI_TEST_NAMESPACE": NAMESPACE,
+        "GPUASGI_TEST_BUDGET": str(BUDGET),
+        "GPUASGI_TEST_LEASE_TTL": str(LEASE_TTL),
     }
     command = [sys.executable, "-m", "uvicorn", "tests._redis_app:app", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--workers", str(WORKERS), "--log-level", "warning"]

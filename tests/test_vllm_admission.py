@@ -66,7 +66,7 @@ def test_settings_default_and_parse() -> None:
         "GPU_ASGI_MAX_WAIT": "2.5", "GPU_ASGI_MAX_QUEUE": "10", "GPU_ASGI_REJECT_STATUS": "429",
         "GPU_ASGI_TENANT_KEY": "api-key, header:x-team", "GPU_ASGI_TENANT_WEIGHTS": "gold=4,key-abc=0.5",
         "GPU_ASGI_LEDGER_URL": "redis://127.0.0.1:6379/0", "GPU_ASGI_LEDGER_NAMESPACE": "gpu0",
-        "GPU_ASGI_OVERSUBSCRIBE": "1.5", "GPU_ASGI_TEST_BUDGET": "other tests' own", "PATH": "/bin",
+        "GPU_ASGI_OVERSUBSCRIBE": "1.5", "GPUASGI_TEST_BUDGET": "other tests' own", "PATH": "/bin",
     })
     assert (settings.max_wait, settings.max_queue, settings.reject_status) == (2.5, 10, 429)
     assert settings.tenant_key == (TenantKey.api_key(), TenantKey.header("x-team"))

@@ -20,12 +20,12 @@ from .._asgi.routes import declared_routes
 from .._estimate.paged import PagedKVEstimator
 from .._estimate.tokens import HFTokenCounter
 from .._ledger.contract import BudgetLedger
-from .._ledger.memory import Ledger
+from .._ledger.url import ledger_from_url
 from .._observe.metrics import GPUMetrics
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from .routes import route_specs, tag_routes
 from .server import ServerNotReady, VLLMServer, learn
-from .settings import SettingsError, VLLMSettings
+from .settings import VLLMSettings
 
 logger = logging.getLogger("gpu_asgi.vllm")
 
@@ -45,14 +45,10 @@ def budget_for(server: VLLMServer, oversubscribe: float) -> int:
 
 def build_ledger(settings: VLLMSettings, budget: int) -> BudgetLedger:
     """This process's ledger, or the Redis one that every API server process of the cache shares."""
-    common: dict[str, Any] = {
-        "max_queue": settings.max_queue, "max_wait": settings.max_wait, "tenants": settings.tenant_policies(),
-    }
-    if settings.ledger_url is None:
-        return Ledger(budget, **common)
-    from .._ledger.redis.ledger import RedisLedger  # the redis extra, only when asked for
-
-    return RedisLedger(settings.ledger_url, budget, namespace=settings.namespace, **common)
+    return ledger_from_url(
+        settings.ledger_url, budget, max_queue=settings.max_queue, max_wait=settings.max_wait,
+        tenants=settings.tenant_policies(), namespace=settings.namespace,
+    )
 
 
 def prometheus_registry() -> Any:
@@ -130,7 +126,7 @@ class VLLMAdmission:
     async def _start(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             admission = self._admission = self._build(scope)
-        except (SettingsError, ServerNotReady, ValueError, ImportError) as error:  # ImportError: the redis extra
+        except (ServerNotReady, ValueError, ImportError) as error:  # SettingsError is a ValueError; ImportError: the redis extra
             problem = f"gpu_asgi.vllm cannot start: {error}"
             startup_logger().error("%s", problem)
             if (await receive())["type"] == "lifespan.startup":

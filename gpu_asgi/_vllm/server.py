@@ -43,7 +43,6 @@ class VLLMServer:
     chat_template: str | None
     #: The server's ``--default-chat-template-kwargs``.
     chat_template_kwargs: dict[str, Any]
-    prefix_caching: bool
 
     @property
     def usable_blocks(self) -> int:
@@ -96,5 +95,4 @@ def learn(state: Any) -> VLLMServer:
         tokenizer=tokenizer,
         chat_template=getattr(renderer, "chat_template", None),
         chat_template_kwargs=dict(getattr(renderer, "default_chat_template_kwargs", None) or {}),
-        prefix_caching=bool(cache.enable_prefix_caching),
     )

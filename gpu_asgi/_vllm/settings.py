@@ -15,10 +15,9 @@ from typing import TypeVar
 from .._admission.tenant_keys import TenantKey
 from .._ledger.contract import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT
 from .._ledger.tenants import TenantPolicy
+from .._ledger.url import REDIS_SCHEMES
 
 PREFIX = "GPU_ASGI_"
-#: Variables of the test suite's own apps (tests/_redis_app.py), not settings of this integration.
-_NOT_OURS = "GPU_ASGI_TEST_"
 DEFAULT_NAMESPACE = "gpu_asgi:vllm"
 #: The largest over-subscription accepted: beyond it vLLM preempts on nearly every step.
 MAX_OVERSUBSCRIBE = 4.0
@@ -56,7 +55,7 @@ class VLLMSettings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> VLLMSettings:
         """The settings in ``environ`` (``os.environ``); unset variables keep their defaults."""
-        ours = {name: value for name, value in environ.items() if name.startswith(PREFIX) and not name.startswith(_NOT_OURS)}
+        ours = {name: value for name, value in environ.items() if name.startswith(PREFIX)}
         unknown = sorted(set(ours) - set(_PARSERS))
         if unknown:
             raise SettingsError(
@@ -131,7 +130,7 @@ def _ledger_url(text: str) -> str | None:
     scheme = text.partition("://")[0].lower()
     if not text or scheme == "memory":
         return None
-    if scheme not in ("redis", "rediss", "unix"):
+    if scheme not in REDIS_SCHEMES:
         raise ValueError("expected redis://, rediss://, unix:// or memory://")
     return text
 

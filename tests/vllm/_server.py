@@ -32,7 +32,7 @@ MIDDLEWARE = "gpu_asgi.vllm.VLLMAdmission"
 MODEL_NAME = "tiny"
 STARTUP_TIMEOUT = 900.0  # a cold start compiles the model: minutes on a busy 2-core machine
 REPO = Path(__file__).resolve().parents[2]
-LOG_DIR = Path(os.environ.get("GPU_ASGI_TEST_VLLM_LOGS", "/tmp/gpu_asgi-vllm-logs"))
+LOG_DIR = Path(os.environ.get("GPUASGI_TEST_VLLM_LOGS", "/tmp/gpu_asgi-vllm-logs"))
 _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+0-9.eE]+|NaN|[+-]Inf)$")
 
 
@@ -40,7 +40,7 @@ def model_dir() -> Path:
     """The demo's tiny model, created on first use (about 20 s)."""
     from demo_service import ensure_local_model
 
-    return ensure_local_model(os.environ.get("GPU_ASGI_TEST_VLLM_MODEL") or None, progress=False)
+    return ensure_local_model(os.environ.get("GPUASGI_TEST_VLLM_MODEL") or None, progress=False)
 
 
 def free_port() -> int:
