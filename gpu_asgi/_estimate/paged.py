@@ -69,8 +69,7 @@ class PagedKVEstimator:
         self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None
     ) -> int:
         check_counts(prompt_tokens, max_new_tokens, batch)  # greedy or sampling: the same blocks
-        blocks = blocks_for(self._tokens(prompt_tokens, max_new_tokens), self.block_size)
-        return batch * (self.fixed_bytes + blocks * self.bytes_per_block)
+        return batch * (self.fixed_bytes + self.blocks(prompt_tokens, max_new_tokens) * self.bytes_per_block)
 
 
 def paged_kv_budget(

@@ -49,6 +49,17 @@ def health_report(
 ) -> dict[str, Any]:
     """The ``/health`` body. Call it on the event loop (it reads the ledger)."""
     ledger = as_budget_ledger(ledger)  # a ledger in an earlier release's shape is adapted
+    return _report(ledger, sampler, thermal, device_guard, lifecycle)
+
+
+def _report(
+    ledger: BudgetLedger,
+    sampler: DeviceSampler | None,
+    thermal: ThermalPolicy | None,
+    device_guard: DeviceGuard | None,
+    lifecycle: Lifecycle | None,
+) -> dict[str, Any]:
+    """:func:`health_report` of a ledger already adapted (the router adapts once, not per request)."""
     stats = ledger.statistics()
     degraded: list[str] = []
     unavailable: list[str] = []
@@ -166,7 +177,7 @@ def health_router(
             sampler.ensure_started()
         if metrics is not None:
             metrics.ensure_refreshing()
-        return health_report(ledger, sampler=sampler, thermal=thermal, device_guard=device_guard, lifecycle=lifecycle)
+        return _report(ledger, sampler, thermal, device_guard, lifecycle)
 
     async def health(request: Request) -> Response:
         body = report()

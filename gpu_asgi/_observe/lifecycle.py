@@ -54,7 +54,6 @@ class Lifecycle:
         self.retry_after = retry_after
         self._clock = clock
         self._app_ready = ready
-        self._draining = False
         #: When the drain started (the clock's seconds); None while serving.
         self.draining_since: float | None = None
         self._in_flight = 0  # admitted requests whose response has not ended
@@ -62,7 +61,7 @@ class Lifecycle:
         self._queued: set[asyncio.Future[None]] = set()  # one per request waiting in the queue
 
     def __repr__(self) -> str:
-        phase = "draining" if self._draining else "ready" if self._app_ready else "starting"
+        phase = "draining" if self.draining else "ready" if self._app_ready else "starting"
         return f"<Lifecycle {phase}, {self._in_flight} in flight, {len(self._queued)} queued>"
 
     # -- readiness ------------------------------------------------------------------------
@@ -83,12 +82,12 @@ class Lifecycle:
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self.draining_since is not None
 
     @property
     def ready(self) -> bool:
         """The app said it is ready and the process is not draining."""
-        return self._app_ready and not self._draining
+        return self._app_ready and not self.draining
 
     @property
     def in_flight(self) -> int:
@@ -111,9 +110,8 @@ class Lifecycle:
 
     def start_draining(self) -> None:
         """Stop admitting: readiness 503, new and queued GPU-bound requests refused at once. Idempotent."""
-        if self._draining:
+        if self.draining:
             return
-        self._draining = True
         self.draining_since = self._clock()
         logger.warning(
             "gpu_asgi: draining; %d admitted request(s) run to their end, %d queued are refused",
@@ -143,7 +141,7 @@ class Lifecycle:
         """A future that completes when a drain starts: the queue wait watches it beside the ledger.
         Hand it back to :meth:`dequeued` when the wait ends."""
         stopping: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self._draining:
+        if self.draining:
             stopping.set_result(None)
         self._queued.add(stopping)
         return stopping

@@ -12,6 +12,7 @@ no convention exists.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -85,6 +86,12 @@ def get_tracer(tracer_provider: TracerProvider | None = None) -> Tracer:
 
 
 _default_tracer = get_tracer()
+
+
+@functools.lru_cache(maxsize=16)
+def _tracer_of(tracer_provider: TracerProvider) -> Tracer:
+    """One tracer per provider, built once: a device thread names its provider for every phase."""
+    return get_tracer(tracer_provider)
 
 
 # -- the queue wait, used by the middleware ----------------------------------------------------
@@ -183,7 +190,7 @@ def gpu_phase(
     binding = thread_binding()
     if tracer_provider is None and binding is not None:
         tracer_provider = binding.tracer_provider
-    tracer = _default_tracer if tracer_provider is None else get_tracer(tracer_provider)
+    tracer = _default_tracer if tracer_provider is None else _tracer_of(tracer_provider)
     span_attributes = phase_attributes(values)
     if binding is not None:
         span_attributes.setdefault(DEVICE, binding.device)
