@@ -210,7 +210,7 @@ class Gate:
         raw_timeout = check_headers(scope, max_bytes)
         wait_limit = None if spec is None else spec.max_client_wait
         if raw_timeout is not None:
-            wait_limit = client_wait(raw_timeout, self._wait_cap() if wait_limit is None else wait_limit)
+            wait_limit = client_wait(raw_timeout, self.ledger.max_wait if wait_limit is None else wait_limit)
         body = await read_body(receive, max_bytes, self.body_timeout)
         if body is None:
             raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
@@ -290,7 +290,3 @@ class Gate:
             otel.end_queue_wait(span, outcome, device=device, queue_depth=depth, wait_seconds=waited, reason=reason)
             if self.metrics is not None:
                 self.metrics.record_decision(outcome, device=device, reason=reason, wait_seconds=waited, tenant=label)
-
-    def _wait_cap(self) -> float:
-        """The ledger's ``max_wait``: the cap on a client's ``x-request-timeout``."""
-        return self.ledger.max_wait

@@ -41,16 +41,10 @@ async def wait(
         while True:
             await asyncio.wait((reserving, listening, stopping), return_when=asyncio.FIRST_COMPLETED)
             if stopping.done() and not reserving.done():  # draining: leave the queue now
-                reserving.cancel()
-                outcome = (await asyncio.gather(reserving, return_exceptions=True))[0]
-                if isinstance(outcome, Reservation):
-                    outcome.release()
+                await _withdraw(reserving)
                 raise lifecycle.refusal()
             if listening.done() and listening.result()["type"] == "http.disconnect":
-                reserving.cancel()
-                outcome = (await asyncio.gather(reserving, return_exceptions=True))[0]
-                if isinstance(outcome, Reservation):
-                    outcome.release()  # granted in the same instant: give it straight back
+                await _withdraw(reserving)
                 return None
             if reserving.done():
                 return reserving.result()  # raises the ledger's rejection, if any
@@ -64,6 +58,14 @@ async def wait(
     finally:
         listening.cancel()
         lifecycle.dequeued(stopping)
+
+
+async def _withdraw(reserving: asyncio.Future[Reservation]) -> None:
+    """Leave the queue: cancel the reserve, and give straight back bytes granted in the same instant."""
+    reserving.cancel()
+    outcome = (await asyncio.gather(reserving, return_exceptions=True))[0]
+    if isinstance(outcome, Reservation):
+        outcome.release()
 
 
 def trusted_devices(

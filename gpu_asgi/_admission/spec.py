@@ -71,8 +71,9 @@ class RouteSpec:
             object.__setattr__(self, "prompt", (self.prompt,))
         if isinstance(self.max_tokens_fields, str):
             object.__setattr__(self, "max_tokens_fields", (self.max_tokens_fields,))
-        if isinstance(self.devices, str):
-            object.__setattr__(self, "devices", (self.devices,))
+        if self.devices is not None:  # a name, or any sequence of names, becomes a tuple
+            devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
+            object.__setattr__(self, "devices", devices)
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_cap:
             raise ValueError("need 1 <= default_max_new_tokens <= max_new_tokens_cap")
         if self.max_batch < 1:

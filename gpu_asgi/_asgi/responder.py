@@ -244,16 +244,14 @@ class Responder:
     async def _refuse(self, error: GPUAdmissionError, spec: RouteSpec | None) -> None:
         """Answer the gate's refusal; from now on the app's reads raise :class:`Answered`."""
         self._state = _ANSWERED
-        if not isinstance(error, ClientClosedRequest):
-            await self._style.send(self._send, error, spec, self._scope.get("path", ""))
-            return
-        # Nobody reads the answer to a client that left, but what records the request on its way
-        # out does: an access log, or an outer BaseHTTPMiddleware, whose call_next raises
-        # "No response returned." for a request that got none.
+        # A client that left is answered too: nobody reads it, but what records the request on its
+        # way out does (an access log, or an outer BaseHTTPMiddleware, whose call_next raises
+        # "No response returned." for a request that got none).
         try:
             await self._style.send(self._send, error, spec, self._scope.get("path", ""))
-        except OSError:  # ASGI lets a server raise on a closed connection; nobody is left to tell
-            pass
+        except OSError:  # ASGI lets a server raise on a closed connection
+            if not isinstance(error, ClientClosedRequest):
+                raise  # nobody is left to tell only when the client has gone
 
     async def _receive_watched(self) -> Message:
         """Reads after admission (or after gpu_asgi answered)."""

@@ -60,7 +60,7 @@ def gpu_bound(
         max_batch=max_batch,
         estimator=estimator,
         priority=priority,
-        devices=tuple(devices) if devices is not None and not isinstance(devices, str) else devices,  # type: ignore[arg-type]
+        devices=devices,  # type: ignore[arg-type]  # a name or a sequence: normalised in __post_init__
         chat_template_tokens=chat_template_tokens,
         openai_errors=openai_errors,
         max_client_wait=max_client_wait,
