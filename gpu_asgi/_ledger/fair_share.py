@@ -216,12 +216,11 @@ class FairShare:
         return 0 if account is None else account.waiting
 
     def fits(self, name: str, nbytes: int) -> bool:
-        """Whether ``name`` may hold ``nbytes`` more now under its quota; raises :class:`OverTenantQuota`
-        when the whole quota could never hold them (``check_quota``: waiting cannot help)."""
+        """Whether ``name`` may hold ``nbytes`` more now under its quota. The caller has refused
+        already what the whole quota could never hold (``LedgerBase._check_quota``)."""
         policy = self.policy(name)
         if policy.quota_bytes is None:  # the common case: one lookup, no account needed
             return True
-        check_quota(policy, nbytes)
         account = self.accounts.get(name)
         return account is None or account.fits(nbytes)  # no account holds nothing, and nbytes <= quota
 
