@@ -78,6 +78,15 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+async def _abandon(generation: Generation, result: asyncio.Future[list[SequenceState]]) -> None:
+    """Drop a generation whose client left: its sequences leave the batch at the next step, and
+    this returns once the batch is off the device (its rows stay in the batch's KV cache until
+    then), so the bytes go back only after that."""
+    generation.cancel()
+    result.cancel()
+    await wait_for_device(generation)
+
+
 async def complete(request: Request, admission: Admission, generation: Generation) -> list[SequenceState]:
     """The finished sequences; cancels the generation if the client disconnects first.
 
@@ -89,16 +98,12 @@ async def complete(request: Request, admission: Admission, generation: Generatio
     try:
         await asyncio.wait((result, left), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # gpu_asgi cancels the endpoint when its client leaves
-        generation.cancel()  # its sequences leave the batch at the next step
-        result.cancel()
-        await wait_for_device(generation)  # the bytes go back only once the batch is off the device
+        await _abandon(generation, result)
         raise
     finally:
         left.cancel()
     if not result.done():
-        generation.cancel()
-        result.cancel()
-        await wait_for_device(generation)  # its rows stay in the batch's KV cache until the batch ends
+        await _abandon(generation, result)
         raise ClientGone
     sequences = result.result()
     admission.reservation.shrink(0)
