@@ -139,8 +139,9 @@ class Gate:
         #: those whose reserve() has not reached the ledger yet.
         self.queued = 0
 
-    async def admit(self, scope: Scope, receive: Receive, spec: RouteSpec) -> Admission:
-        """Read the body from ``receive``, estimate it and reserve its bytes.
+    async def admit(self, scope: Scope, receive: Receive, spec: RouteSpec, body: bytes | None = None) -> Admission:
+        """Read the body from ``receive`` (or take ``body``, already read by :meth:`read`), estimate
+        it and reserve its bytes; ``receive`` then tells the queue when the client leaves.
 
         Raises the refusal (:class:`ClientClosedRequest` when the client left first); nothing is
         reserved then.
@@ -149,7 +150,7 @@ class Gate:
         try:
             if self.lifecycle.draining:  # stopping: refused before the body is read
                 raise self.lifecycle.refusal()
-            body, wait_limit = await self._read(scope, receive, spec)
+            body, wait_limit = await self._read(scope, receive, spec, body)
             request = parse_request(body, spec, lambda: route_name(scope))
             max_new_tokens, clamped_from = self._clamped(request.max_new_tokens, spec)
             prompt_tokens = await self._count(request)
@@ -200,10 +201,13 @@ class Gate:
         if self.sampler is not None:
             self.sampler.ensure_started()
 
-    async def _read(self, scope: Scope, receive: Receive, spec: RouteSpec | None) -> tuple[bytes, float | None]:
-        """The whole body under the limits, and the seconds the request may wait in the queue
-        (the route's and the client's ``x-request-timeout``; None: the ledger's ``max_wait``).
-        Everything the headers alone refuse is refused before a byte is read."""
+    async def _read(
+        self, scope: Scope, receive: Receive, spec: RouteSpec | None, body: bytes | None = None
+    ) -> tuple[bytes, float | None]:
+        """The whole body under the limits (``body``: read already, under them), and the seconds
+        the request may wait in the queue (the route's and the client's ``x-request-timeout``;
+        None: the ledger's ``max_wait``). Everything the headers alone refuse is refused before a
+        byte is read."""
         max_bytes = self.max_body_bytes
         if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see body): the smaller applies
             max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
@@ -211,7 +215,8 @@ class Gate:
         wait_limit = None if spec is None else spec.max_client_wait
         if raw_timeout is not None:
             wait_limit = client_wait(raw_timeout, self.ledger.max_wait if wait_limit is None else wait_limit)
-        body = await read_body(receive, max_bytes, self.body_timeout)
+        if body is None:
+            body = await read_body(receive, max_bytes, self.body_timeout)
         if body is None:
             raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
         return body, wait_limit

@@ -175,14 +175,15 @@ class Responder:
     async def _admit_and_replay(self, spec: RouteSpec) -> Message:
         """A tagged endpoint's first read: admit, then hand it the body that admission read."""
         self._scope[ADMITTING_SCOPE_KEY] = True
-        admission = await self._admit(self._receive, spec)
+        admission = await self._admit(spec)
         self._body = None
         return {"type": "http.request", "body": admission.body, "more_body": False}
 
-    async def _admit(self, receive: Receive, spec: RouteSpec) -> Admission:
-        """Admit through the gate; a refusal is answered here and ends the app (:class:`Answered`)."""
+    async def _admit(self, spec: RouteSpec, body: bytes | None = None) -> Admission:
+        """Admit through the gate (``body``: read already); a refusal is answered here and ends
+        the app (:class:`Answered`)."""
         try:
-            admission = await self._gate.admit(self._scope, receive, spec)
+            admission = await self._gate.admit(self._scope, self._receive, spec, body)
         except GPUAdmissionError as error:
             await self._refuse(error, spec)
             raise Answered from None
@@ -214,17 +215,8 @@ class Responder:
                 return self._admission
             read = self._read
             if read is None:  # the app has not read the body: the gate does, and the app gets it replayed
-                return await self._admit(self._receive, spec)
-            replayed = False
-
-            async def receive() -> Message:  # the body the app has already, then the server's messages
-                nonlocal replayed
-                if replayed:
-                    return await self._receive()
-                replayed = True
-                return {"type": "http.request", "body": read, "more_body": False}
-
-            admission = await self._admit(receive, spec)
+                return await self._admit(spec)
+            admission = await self._admit(spec, read)  # the body read under the gate's limits already
             self._body = None  # the app has these bytes already
             return admission
 
