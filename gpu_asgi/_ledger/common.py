@@ -8,14 +8,27 @@ state and counts its refusals (``_count_rejection``) where its statistics come f
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .._errors import NeverFits, OverTenantQuota
 from .contract import DEFAULT_DEVICE, DEFAULT_MAX_BYPASS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT, Availability
 from .fair_share import DEFAULT_TENANT_IDLE_TTL, check_quota
 from .forecast import unmeetable
 from .tenants import DEFAULT_POLICY, TenantPolicy, check_tenant_options, fixed_policies
+
+
+def on_ledger_thread(loop: asyncio.AbstractEventLoop | None, thread: int, call: Callable[..., Any], *args: Any) -> None:
+    """Run ``call(*args)`` on the ledger's own loop: now when this is its thread (or it has none
+    yet, or it is closed), else handed to it; a reservation may be returned from a worker thread,
+    while the ledger's waiters and calls belong to its loop."""
+    if loop is not None and threading.get_ident() != thread and not loop.is_closed():
+        loop.call_soon_threadsafe(call, *args)
+    else:
+        call(*args)
 
 
 class LedgerBase:

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from .._errors import QueueFull, QueueTimeout
-from .common import LedgerBase
+from .common import LedgerBase, on_ledger_thread
 from .contract import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
@@ -329,12 +329,7 @@ class Ledger(LedgerBase):
 
     def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
         """Take back ``nbytes`` of ``reservation`` (the bytes it just returned); see ``BudgetLedger``."""
-        loop = self._loop
-        if loop is not None and threading.get_ident() != self._thread and not loop.is_closed():
-            # From a worker thread: the waiters live on the loop, so the loop hands the bytes on.
-            loop.call_soon_threadsafe(self._returned, reservation.device, reservation.tenant, nbytes, finished)
-        else:
-            self._returned(reservation.device, reservation.tenant, nbytes, finished)
+        on_ledger_thread(self._loop, self._thread, self._returned, reservation.device, reservation.tenant, nbytes, finished)
 
     def _returned(self, name: str, tenant: str, nbytes: int, finished: bool) -> None:
         device = self._devices[name]

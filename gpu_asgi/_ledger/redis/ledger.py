@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import threading
 import warnings
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import ClassVar, Literal, Self, TypeVar
@@ -35,7 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from ..._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
-from ..common import LedgerBase
+from ..common import LedgerBase, on_ledger_thread
 from ..contract import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
@@ -452,12 +451,7 @@ class RedisLedger(LedgerBase):
     def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
         """Take back ``nbytes`` of ``reservation``: Redis is told what it keeps (its ``nbytes`` now),
         an absolute amount, so releases that land late or out of order never give bytes back twice."""
-        loop = self._upkeep.loop
-        if loop is not None and threading.get_ident() != self._upkeep.thread and not loop.is_closed():
-            # From a worker thread: the calls to Redis are the loop's, so hand them over at once.
-            loop.call_soon_threadsafe(self._returned, reservation, reservation.nbytes, finished)
-        else:
-            self._returned(reservation, reservation.nbytes, finished)
+        on_ledger_thread(self._upkeep.loop, self._upkeep.thread, self._returned, reservation, reservation.nbytes, finished)
 
     def _returned(self, reservation: Reservation, keep: int, finished: bool) -> None:
         rid, upkeep = reservation.id, self._upkeep
