@@ -80,6 +80,7 @@ def test_settings_default_and_parse() -> None:
     ("environ", "message"),
     [
         ({"GPU_ASGI_MAX_WAITS": "3"}, "unknown setting GPU_ASGI_MAX_WAITS"),
+        ({"GPU_ASGI_TEST_BUDGET": "1"}, "unknown setting GPU_ASGI_TEST_BUDGET"),  # no name is exempt
         ({"GPU_ASGI_MAX_WAIT": "soon"}, "GPU_ASGI_MAX_WAIT='soon': expected seconds"),
         ({"GPU_ASGI_MAX_WAIT": "0"}, "GPU_ASGI_MAX_WAIT"),
         ({"GPU_ASGI_MAX_QUEUE": "1.5"}, "GPU_ASGI_MAX_QUEUE"),
