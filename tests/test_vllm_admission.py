@@ -66,8 +66,10 @@ def test_settings_default_and_parse() -> None:
         "GPU_ASGI_MAX_WAIT": "2.5", "GPU_ASGI_MAX_QUEUE": "10", "GPU_ASGI_REJECT_STATUS": "429",
         "GPU_ASGI_TENANT_KEY": "api-key, header:x-team", "GPU_ASGI_TENANT_WEIGHTS": "gold=4,key-abc=0.5",
         "GPU_ASGI_LEDGER_URL": "redis://127.0.0.1:6379/0", "GPU_ASGI_LEDGER_NAMESPACE": "gpu0",
-        "GPU_ASGI_OVERSUBSCRIBE": "1.5", "GPUASGI_TEST_BUDGET": "other tests' own", "PATH": "/bin",
+        "GPU_ASGI_OVERSUBSCRIBE": "1.5", "GPU_ASGI_REDIS_TIMEOUT": "5", "GPUASGI_TEST_BUDGET": "other tests' own",
+        "PATH": "/bin",
     })
+    assert settings.redis_timeout == 5.0
     assert (settings.max_wait, settings.max_queue, settings.reject_status) == (2.5, 10, 429)
     assert settings.tenant_key == (TenantKey.api_key(), TenantKey.header("x-team"))
     assert settings.tenant_weights == {"gold": 4.0, "key-abc": 0.5}
@@ -91,6 +93,7 @@ def test_settings_default_and_parse() -> None:
         ({"GPU_ASGI_LEDGER_URL": "http://redis"}, "expected redis://"),
         ({"GPU_ASGI_OVERSUBSCRIBE": "9"}, "a factor from 0.1 to 4"),
         ({"GPU_ASGI_OVERSUBSCRIBE": "nan"}, "GPU_ASGI_OVERSUBSCRIBE"),
+        ({"GPU_ASGI_REDIS_TIMEOUT": "0"}, "GPU_ASGI_REDIS_TIMEOUT"),
     ],
 )
 def test_settings_refuse_what_they_cannot_use(environ: dict[str, str], message: str) -> None:

@@ -21,6 +21,8 @@ DEFAULT_DEVICE = "cuda:0"
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_WAIT = 30.0
 DEFAULT_MAX_BYPASS = 8
+#: Seconds a shared (Redis) ledger waits for one answer before the ledger counts as unavailable.
+DEFAULT_REDIS_TIMEOUT = 1.0
 #: Priorities are integers in this range in every ledger (the Redis ledger's queue scores need it).
 MIN_PRIORITY = -4095
 MAX_PRIORITY = 4095

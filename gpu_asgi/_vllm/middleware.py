@@ -47,7 +47,7 @@ def build_ledger(settings: VLLMSettings, budget: int) -> BudgetLedger:
     """This process's ledger, or the Redis one that every API server process of the cache shares."""
     return ledger_from_url(
         settings.ledger_url, budget, max_queue=settings.max_queue, max_wait=settings.max_wait,
-        tenants=settings.tenant_policies(), namespace=settings.namespace,
+        tenants=settings.tenant_policies(), namespace=settings.namespace, redis_timeout=settings.redis_timeout,
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .._admission.tenant_keys import TenantKey
-from .._ledger.contract import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT
+from .._ledger.contract import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT, DEFAULT_REDIS_TIMEOUT
 from .._ledger.tenants import TenantPolicy
 from .._ledger.url import REDIS_SCHEMES
 
@@ -51,6 +51,9 @@ class VLLMSettings:
     namespace: str = DEFAULT_NAMESPACE
     #: ``GPU_ASGI_OVERSUBSCRIBE``: admit up to this many times the KV cache (1.0: never preempt).
     oversubscribe: float = 1.0
+    #: ``GPU_ASGI_REDIS_TIMEOUT``: seconds the shared ledger waits for one Redis answer before
+    #: admission fails closed (``ledger-unavailable``); raise it on a host whose CPUs are saturated.
+    redis_timeout: float = DEFAULT_REDIS_TIMEOUT
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> VLLMSettings:
@@ -149,5 +152,6 @@ _PARSERS: dict[str, tuple[str, Callable[[str], object]]] = {
     "GPU_ASGI_TENANT_WEIGHTS": ("tenant_weights", _tenant_weights),
     "GPU_ASGI_LEDGER_URL": ("ledger_url", _ledger_url),
     "GPU_ASGI_LEDGER_NAMESPACE": ("namespace", _namespace),
+    "GPU_ASGI_REDIS_TIMEOUT": ("redis_timeout", _number(float, 0.01, 60, "seconds from 0.01 to 60")),
     "GPU_ASGI_OVERSUBSCRIBE": ("oversubscribe", _number(float, 0.1, MAX_OVERSUBSCRIBE, f"a factor from 0.1 to {MAX_OVERSUBSCRIBE:g}")),
 }

@@ -27,7 +27,10 @@ RECEIVED = re.compile(r"^\(\w+ pid=(\d+)\).*Received request", re.MULTILINE)
 
 @pytest.fixture(scope="module")
 def shared(redis_server: RedisServer) -> Iterator[VLLMProcess]:
-    env = {"GPU_ASGI_LEDGER_URL": redis_server.url, "GPU_ASGI_LEDGER_NAMESPACE": NAMESPACE, "GPU_ASGI_MAX_WAIT": "300"}
+    env = {"GPU_ASGI_LEDGER_URL": redis_server.url, "GPU_ASGI_LEDGER_NAMESPACE": NAMESPACE, "GPU_ASGI_MAX_WAIT": "300",
+           # Two API servers, the engine and the test's 40 clients share 2 CPUs: an event loop can
+           # stall past the default 1 s, and admission would fail closed (503 ledger-unavailable).
+           "GPU_ASGI_REDIS_TIMEOUT": "10"}
     server = _server.start("shared", middleware=True, env=env, args=["--api-server-count", "2", "--enable-log-requests"], cli=True)
     with _server.running(server):
         # /health answers as soon as one process is up: wait for both to have started gpu_asgi.

@@ -39,6 +39,7 @@ from ..contract import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_WAIT,
+    DEFAULT_REDIS_TIMEOUT,
     MAX_TIMEOUT,
     Availability,
     LedgerStatistics,
@@ -61,7 +62,6 @@ DEFAULT_LEASE_TTL = 10.0
 DEFAULT_POLL_INTERVAL = 2.0
 #: The poll while this process's wake-up subscription is not up yet (or lost).
 UNSUBSCRIBED_POLL_INTERVAL = 0.05
-DEFAULT_REDIS_TIMEOUT = 1.0
 DEFAULT_MAX_CONNECTIONS = 32
 #: How long a request that timed out in the queue waits for Redis's state of that moment, for its
 #: ``Retry-After`` (a healthy Redis answers in about a millisecond); past it, the heartbeat
