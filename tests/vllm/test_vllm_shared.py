@@ -33,11 +33,13 @@ def shared(redis_server: RedisServer) -> Iterator[VLLMProcess]:
            "GPU_ASGI_REDIS_TIMEOUT": "10"}
     server = _server.start("shared", middleware=True, env=env, args=["--api-server-count", "2", "--enable-log-requests"], cli=True)
     with _server.running(server):
-        # /health answers as soon as one process is up: wait for both to have started gpu_asgi.
+        # /health answers as soon as one process is up: wait for both to have finished their
+        # lifespan startup (gpu_asgi's among it); each accepts connections right after.
         deadline = time.monotonic() + _server.STARTUP_TIMEOUT
-        while len(startup_lines(server)) < 2 and time.monotonic() < deadline:
+        while server.log.read_text(errors="replace").count("Application startup complete.") < 2:
+            assert time.monotonic() < deadline, server.tail()
             time.sleep(0.5)
-        time.sleep(2)  # the second process's "startup complete" follows its gpu_asgi line
+        time.sleep(2)  # from "startup complete" to accepting: the rest of uvicorn's startup
         yield server
 
 
