@@ -104,8 +104,8 @@ async def test_same_load_preempts_alone_and_never_with_gpu_asgi(alone: VLLMProce
 
 
 async def test_full_cache_refusals_and_a_wrong_key(admitted: VLLMProcess) -> None:
-    """With the cache full: a deadline that cannot be met is refused (503, Retry-After, OpenAI's
-    error object), and a wrong key is answered 401 by vLLM at once, never queued for bytes.
+    """With the cache full: a wrong key is answered 401 by vLLM at once, never queued for bytes,
+    and a deadline that cannot be met is refused (503, Retry-After, OpenAI's error object).
 
     Three streams of ~620 tokens (5 blocks each) hold all 15 usable blocks from their first token
     to their last; everything below happens while all three still stream. No timing is asserted.
@@ -116,7 +116,14 @@ async def test_full_cache_refusals_and_a_wrong_key(admitted: VLLMProcess) -> Non
         try:
             await asyncio.wait_for(asyncio.gather(*(h.started.wait() for h in holders)), 300)
             assert [h.status for h in holders] == [200] * 3
-            refused = await client.post(
+            wrong = await client.post(
+                "/v1/completions", headers={"authorization": "Bearer sk-wrong"},
+                json={"model": _server.MODEL_NAME, "prompt": "hello", "max_tokens": 5},
+            )
+            assert wrong.status_code == 401
+            # Queued for bytes, it could not have been answered before one of the streams ended.
+            assert not any(h.task.done() for h in holders)
+            refused = await client.post(  # 5 blocks: were the streams' bytes not held, it would be served
                 "/v1/completions", headers={**AUTH, "x-request-timeout": "0.5"},
                 json={"model": _server.MODEL_NAME, "prompt": "hello", "max_tokens": 600},
             )
@@ -125,13 +132,6 @@ async def test_full_cache_refusals_and_a_wrong_key(admitted: VLLMProcess) -> Non
             error = refused.json()["error"]
             assert error["type"] == "server_error" and error["code"] in ("deadline-unmeetable", "queue-timeout")
             assert error["message"]
-            wrong = await client.post(
-                "/v1/completions", headers={"authorization": "Bearer sk-wrong"},
-                json={"model": _server.MODEL_NAME, "prompt": "hello", "max_tokens": 5},
-            )
-            assert wrong.status_code == 401
-            # Queued for bytes, it could not have been answered before one of the streams ended.
-            assert not any(h.task.done() for h in holders)
         finally:
             await asyncio.gather(*(h.task for h in holders))
     assert [h.usage.get("completion_tokens") for h in holders] == [600] * 3
