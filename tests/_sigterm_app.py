@@ -39,7 +39,7 @@ async def generate(request: Request) -> PlainTextResponse:
 
 
 async def stats(request: Request) -> JSONResponse:
-    return JSONResponse({"in_flight": lifecycle.in_flight, "waiting": lifecycle.waiting})
+    return JSONResponse({"in_flight": lifecycle.in_flight, "waiting": lifecycle.waiting, "pid": os.getpid()})
 
 
 @asynccontextmanager

@@ -5,6 +5,7 @@ server still listens, nothing stays reserved in Redis, and the process exits in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -61,8 +62,12 @@ def server_env(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
 
 async def wait_for(http: httpx.AsyncClient, in_flight: int, waiting: int) -> None:
     async with asyncio.timeout(30):
-        while (await http.get("/stats")).json() != {"in_flight": in_flight, "waiting": waiting}:
+        while _counts((await http.get("/stats")).json()) != (in_flight, waiting):
             await asyncio.sleep(0.02)
+
+
+def _counts(stats: dict[str, int]) -> tuple[int, int]:
+    return stats["in_flight"], stats["waiting"]
 
 
 @pytest.mark.parametrize("server_name", sorted(SERVERS))
@@ -113,3 +118,59 @@ async def test_sigterm_drains(
         redis: RedisServer = request.getfixturevalue("redis_server")
         assert redis.ledger_state(server_env["SIGTERM_NAMESPACE"]) == _redis.EMPTY
     print(f"\n{server_name}: queued refused {refused_after * 1000:.0f} ms after SIGTERM; exit after {exit_after:.2f} s")
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server")
+async def test_sigterm_to_uvicorn_workers_drains_every_worker(redis_server: RedisServer, tmp_path: Path) -> None:
+    """``uvicorn --workers 2`` over one Redis budget: SIGTERM goes to the supervisor, which passes
+    it to each worker. Every queued request, whichever worker holds it, gets 503 ``shutting-down``
+    (not admitted when the running ones give their bytes back), the running ones finish, nothing
+    stays in Redis, and the supervisor exits in time."""
+    namespace = f"sigterm-workers-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {"SIGTERM_DELAY": str(DELAY), "SIGTERM_LEDGER": redis_server.url, "SIGTERM_NAMESPACE": namespace}
+    os.environ.update(env)  # the children inherit them
+    try:
+        process = start([*SERVERS["uvicorn"](port), "--workers", "2"], port, tmp_path / "server.log")
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+    workers: set[int] = set()
+
+    async def ledger_holds(reserved: int, queued: int) -> None:
+        async with asyncio.timeout(30):
+            while (state := redis_server.ledger_state(namespace))["reserved"] != reserved or state["queued"] != queued:
+                await asyncio.sleep(0.02)
+
+    try:
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=0)  # a new connection each time
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=30) as http:
+            async with asyncio.timeout(60):  # both workers accept: each connection goes to whichever takes it
+                while len(workers) < 2:
+                    workers.add((await http.get("/stats")).json()["pid"])
+            running = [asyncio.ensure_future(http.post("/generate", json={"prompt": "go", "max_new_tokens": 9, "hold": HOLD})) for _ in range(4)]
+            await ledger_holds(reserved=40, queued=0)
+            queued = [asyncio.ensure_future(http.post("/generate", json={"prompt": "go", "max_new_tokens": 9})) for _ in range(10)]
+            await ledger_holds(reserved=40, queued=10)
+
+            signalled = time.perf_counter()
+            process.send_signal(signal.SIGTERM)
+            refused = await asyncio.gather(*queued)
+            refused_after = time.perf_counter() - signalled
+            done = await asyncio.gather(*running)
+        exited = await asyncio.to_thread(process.wait, GRACEFUL + 10)
+        exit_after = time.perf_counter() - signalled
+    finally:
+        stop(process)
+        for pid in workers:  # a worker the supervisor left behind, had it been killed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    log = (tmp_path / "server.log").read_text()
+    for response in refused:
+        assert response.status_code == 503, (response.text, log)
+        assert response.headers["x-gpu-admission-reason"] == "shutting-down"
+    assert [(r.status_code, r.text) for r in done] == [(200, "generated")] * 4
+    assert exited == 0, log
+    assert exit_after < GRACEFUL, exit_after
+    assert redis_server.ledger_state(namespace) == _redis.EMPTY
+    print(f"\nuvicorn --workers 2: queued refused {refused_after * 1000:.0f} ms after SIGTERM; exit after {exit_after:.2f} s")
