@@ -120,18 +120,31 @@ async def test_sigterm_drains(
     print(f"\n{server_name}: queued refused {refused_after * 1000:.0f} ms after SIGTERM; exit after {exit_after:.2f} s")
 
 
+#: Two worker processes under a process manager, which passes SIGTERM on to each.
+MANAGERS = {
+    "uvicorn --workers 2": lambda port: [*SERVERS["uvicorn"](port), "--workers", "2"],
+    "gunicorn -k uvicorn_worker.UvicornWorker -w 2": lambda port: [
+        sys.executable, "-m", "gunicorn", APP, "--bind", f"127.0.0.1:{port}", "--log-level", "warning",
+        "--worker-class", "uvicorn_worker.UvicornWorker", "--workers", "2", "--graceful-timeout", str(GRACEFUL),
+    ],
+}
+
+
 @pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server")
-async def test_sigterm_to_uvicorn_workers_drains_every_worker(redis_server: RedisServer, tmp_path: Path) -> None:
-    """``uvicorn --workers 2`` over one Redis budget: SIGTERM goes to the supervisor, which passes
-    it to each worker. Every queued request, whichever worker holds it, gets 503 ``shutting-down``
+@pytest.mark.parametrize("manager", sorted(MANAGERS))
+async def test_sigterm_to_a_process_manager_drains_every_worker(
+    manager: str, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two workers over one Redis budget: SIGTERM goes to the process manager, which passes it to
+    each worker. Every queued request, whichever worker holds it, gets 503 ``shutting-down``
     (not admitted when the running ones give their bytes back), the running ones finish, nothing
-    stays in Redis, and the supervisor exits in time."""
+    stays in Redis, and the manager exits in time."""
     namespace = f"sigterm-workers-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {"SIGTERM_DELAY": str(DELAY), "SIGTERM_LEDGER": redis_server.url, "SIGTERM_NAMESPACE": namespace}
     os.environ.update(env)  # the children inherit them
     try:
-        process = start([*SERVERS["uvicorn"](port), "--workers", "2"], port, tmp_path / "server.log")
+        process = start(MANAGERS[manager](port), port, tmp_path / "server.log")
     finally:
         for key in env:
             os.environ.pop(key, None)
@@ -173,4 +186,4 @@ async def test_sigterm_to_uvicorn_workers_drains_every_worker(redis_server: Redi
     assert exited == 0, log
     assert exit_after < GRACEFUL, exit_after
     assert redis_server.ledger_state(namespace) == _redis.EMPTY
-    print(f"\nuvicorn --workers 2: queued refused {refused_after * 1000:.0f} ms after SIGTERM; exit after {exit_after:.2f} s")
+    print(f"\n{manager}: queued refused {refused_after * 1000:.0f} ms after SIGTERM; exit after {exit_after:.2f} s")
