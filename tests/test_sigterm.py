@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -66,6 +67,22 @@ async def wait_for(http: httpx.AsyncClient, in_flight: int, waiting: int) -> Non
             await asyncio.sleep(0.02)
 
 
+def start_with(env: dict[str, str], command: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    """``start``, with ``env`` in the server's environment (it inherits ours)."""
+    os.environ.update(env)
+    try:
+        return start(command, port, log)
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+
+
+def generate(http: httpx.AsyncClient, count: int, hold: float = 0.0) -> list[asyncio.Future[httpx.Response]]:
+    """``count`` GPU-bound requests of 10 bytes each, sent at once; each holds its bytes ``hold`` s."""
+    body = {"prompt": "go", "max_new_tokens": 9, "hold": hold}
+    return [asyncio.ensure_future(http.post("/generate", json=body)) for _ in range(count)]
+
+
 def _counts(stats: dict[str, int]) -> tuple[int, int]:
     return stats["in_flight"], stats["waiting"]
 
@@ -76,19 +93,14 @@ async def test_sigterm_drains(
     server_name: str, server_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     port = free_port()
-    os.environ.update(server_env)  # the child inherits them
-    try:
-        process = start(SERVERS[server_name](port), port, tmp_path / "server.log")
-    finally:
-        for key in server_env:
-            os.environ.pop(key, None)
+    process = start_with(server_env, SERVERS[server_name](port), port, tmp_path / "server.log")
     try:
         limits = httpx.Limits(max_connections=32, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=30) as http:
             assert (await http.get("/health/ready")).status_code == 200
-            running = [asyncio.ensure_future(http.post("/generate", json={"prompt": "go", "max_new_tokens": 9, "hold": HOLD})) for _ in range(4)]
+            running = generate(http, 4, hold=HOLD)
             await wait_for(http, 4, 0)
-            queued = [asyncio.ensure_future(http.post("/generate", json={"prompt": "go", "max_new_tokens": 9})) for _ in range(10)]
+            queued = generate(http, 10)
             await wait_for(http, 4, 10)
 
             signalled = time.perf_counter()
@@ -142,12 +154,7 @@ async def test_sigterm_to_a_process_manager_drains_every_worker(
     namespace = f"sigterm-workers-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {"SIGTERM_DELAY": str(DELAY), "SIGTERM_LEDGER": redis_server.url, "SIGTERM_NAMESPACE": namespace}
-    os.environ.update(env)  # the children inherit them
-    try:
-        process = start(MANAGERS[manager](port), port, tmp_path / "server.log")
-    finally:
-        for key in env:
-            os.environ.pop(key, None)
+    process = start_with(env, MANAGERS[manager](port), port, tmp_path / "server.log")
     workers: set[int] = set()
 
     async def ledger_holds(reserved: int, queued: int) -> None:
@@ -161,9 +168,9 @@ async def test_sigterm_to_a_process_manager_drains_every_worker(
             async with asyncio.timeout(60):  # both workers accept: each connection goes to whichever takes it
                 while len(workers) < 2:
                     workers.add((await http.get("/stats")).json()["pid"])
-            running = [asyncio.ensure_future(http.post("/generate", json={"prompt": "go", "max_new_tokens": 9, "hold": HOLD})) for _ in range(4)]
+            running = generate(http, 4, hold=HOLD)
             await ledger_holds(reserved=40, queued=0)
-            queued = [asyncio.ensure_future(http.post("/generate", json={"prompt": "go", "max_new_tokens": 9})) for _ in range(10)]
+            queued = generate(http, 10)
             await ledger_holds(reserved=40, queued=10)
 
             signalled = time.perf_counter()
