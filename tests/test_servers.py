@@ -8,12 +8,13 @@ ledger through the app's untagged ``/stats`` route. Every process is killed in `
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start(command: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
+def start(
+    command: list[str], port: int, log: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """The server, once it listens on ``port``; ``env`` is added to the environment it inherits."""
+    environment = {**os.environ, **(env or {})}
     with log.open("wb") as output:  # a file, not a pipe: readable while the server runs, never full
-        process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, env=environment)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         if process.poll() is not None:

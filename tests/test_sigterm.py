@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -67,16 +66,6 @@ async def wait_for(http: httpx.AsyncClient, in_flight: int, waiting: int) -> Non
             await asyncio.sleep(0.02)
 
 
-def start_with(env: dict[str, str], command: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
-    """``start``, with ``env`` in the server's environment (it inherits ours)."""
-    os.environ.update(env)
-    try:
-        return start(command, port, log)
-    finally:
-        for key in env:
-            os.environ.pop(key, None)
-
-
 def generate(http: httpx.AsyncClient, count: int, hold: float = 0.0) -> list[asyncio.Future[httpx.Response]]:
     """``count`` GPU-bound requests of 10 bytes each, sent at once; each holds its bytes ``hold`` s."""
     body = {"prompt": "go", "max_new_tokens": 9, "hold": hold}
@@ -93,7 +82,7 @@ async def test_sigterm_drains(
     server_name: str, server_env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     port = free_port()
-    process = start_with(server_env, SERVERS[server_name](port), port, tmp_path / "server.log")
+    process = start(SERVERS[server_name](port), port, tmp_path / "server.log", env=server_env)
     try:
         limits = httpx.Limits(max_connections=32, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=30) as http:
@@ -154,7 +143,7 @@ async def test_sigterm_to_a_process_manager_drains_every_worker(
     namespace = f"sigterm-workers-{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {"SIGTERM_DELAY": str(DELAY), "SIGTERM_LEDGER": redis_server.url, "SIGTERM_NAMESPACE": namespace}
-    process = start_with(env, MANAGERS[manager](port), port, tmp_path / "server.log")
+    process = start(MANAGERS[manager](port), port, tmp_path / "server.log", env=env)
     workers: set[int] = set()
 
     async def ledger_holds(reserved: int, queued: int) -> None:
