@@ -217,8 +217,8 @@ class Gate:
             wait_limit = client_wait(raw_timeout, self.ledger.max_wait if wait_limit is None else wait_limit)
         if body is None:
             body = await read_body(receive, max_bytes, self.body_timeout)
-        if body is None:
-            raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
+            if body is None:  # the client left before its body was whole
+                raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
         return body, wait_limit
 
     def _count_refusal(self, error: GPUAdmissionError) -> None:
