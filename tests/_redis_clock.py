@@ -45,7 +45,14 @@ def clocked(clock: Callable[[], float]) -> type[RedisLedger]:
     return ClockedRedisLedger
 
 
+#: The tests' Redis answer timeout unless a test sets its own (those about timeouts and faults
+#: do): past the 1 s default, a loaded CI machine can stall a first script call, and a slow
+#: answer rightly sends a request down another path than the one a test checks.
+REDIS_TIMEOUT = 10.0
+
+
 def redis_ledger(*args: Any, clock: Callable[[], float] | None = None, **options: Any) -> RedisLedger:
-    """``RedisLedger(*args, **options)``; with ``clock``, one that reads time from it."""
+    """``RedisLedger(*args, **options)``, ``redis_timeout`` :data:`REDIS_TIMEOUT` unless given;
+    with ``clock``, one that reads time from it."""
     kind = RedisLedger if clock is None else clocked(clock)
-    return kind(*args, **options)
+    return kind(*args, **{"redis_timeout": REDIS_TIMEOUT, **options})
