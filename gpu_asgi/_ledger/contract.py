@@ -80,6 +80,12 @@ class BudgetLedger(Protocol):
 
     A ledger hands out :class:`Reservation` objects built with itself; a reservation returns its
     bytes through :meth:`give_back`, exactly once per byte. Writing one: docs/ledgers.md.
+
+    One member is optional, and so not in the protocol (a ledger written before it still is one):
+    ``grow(reservation, nbytes) -> None``, which counts ``nbytes`` more for ``reservation`` (its
+    ``nbytes`` already includes them) at once, even past the budget, the bytes being in use either
+    way; while a device's reservations exceed its budget nothing new is admitted on it. Called by
+    :meth:`Reservation.grow`, from any thread. Without it reservations cannot grow.
     """
 
     @property
@@ -157,7 +163,9 @@ class Reservation:
     """Bytes held on one device. Release is idempotent; the bytes return exactly once, from any
     thread."""
 
-    __slots__ = ("_give_back", "_held", "_released", "device", "id", "requested_bytes", "tenant", "waited")
+    __slots__ = (
+        "_give_back", "_grow", "_held", "_released", "device", "id", "requested_bytes", "tenant", "waited",
+    )
 
     def __init__(
         self, ledger: BudgetLedger, id: str, device: str, nbytes: int, waited: float, tenant: str = DEFAULT_TENANT
@@ -171,10 +179,11 @@ class Reservation:
         self._held = nbytes
         self._released = False
         self._give_back = _returner(ledger)
+        self._grow: Callable[[Reservation, int], None] | None = getattr(ledger, "grow", None)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held now (less than requested after :meth:`shrink`)."""
+        """Bytes held now (less than requested after :meth:`shrink`, more after :meth:`grow`)."""
         return self._held
 
     @property
@@ -191,6 +200,23 @@ class Reservation:
         if returned:
             self._give_back(self, returned, finished=False)
         return returned
+
+    def grow(self, nbytes: int) -> int:
+        """Hold at least ``nbytes`` (an answer running past what was reserved for it); returns the
+        bytes added. Granted at once, past the budget if need be (the ledger then admits nobody new
+        until it is back under); 0 once released. ``NotImplementedError`` for a ledger that cannot
+        grow a reservation (one without ``grow``)."""
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        grow = self._grow
+        if grow is None:
+            raise NotImplementedError("this reservation's ledger has no grow(): its reservations cannot grow")
+        with _HOLDING:
+            added = 0 if self._released else max(0, nbytes - self._held)
+            self._held += added
+        if added:
+            grow(self, added)
+        return added
 
     def release(self) -> int:
         """Return every byte still held; later calls return 0."""

@@ -124,5 +124,11 @@ class LegacyLedger:
             raise TypeError(f"{type(self.ledger).__qualname__} has no give_back")
         self._give_back(reservation, nbytes, finished=finished)
 
+    def grow(self, reservation: Reservation, nbytes: int) -> None:
+        grow = getattr(self.ledger, "grow", None)
+        if grow is None:
+            raise NotImplementedError(f"{type(self.ledger).__qualname__} cannot grow a reservation (it has no grow)")
+        grow(reservation, nbytes)
+
     def __repr__(self) -> str:
         return f"LegacyLedger({self.ledger!r})"

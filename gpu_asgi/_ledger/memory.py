@@ -331,6 +331,20 @@ class Ledger(LedgerBase):
         """Take back ``nbytes`` of ``reservation`` (the bytes it just returned); see ``BudgetLedger``."""
         on_ledger_thread(self._loop, self._thread, self._returned, reservation.device, reservation.tenant, nbytes, finished)
 
+    def grow(self, reservation: Reservation, nbytes: int) -> None:
+        """Count ``nbytes`` more for ``reservation``, past the budget if need be; see ``BudgetLedger``."""
+        on_ledger_thread(self._loop, self._thread, self._grown, reservation.device, reservation.tenant, nbytes)
+
+    def _grown(self, name: str, tenant: str, nbytes: int) -> None:
+        # No dispatch: growing frees nothing. A device past its budget has negative free bytes, so
+        # _place admits nobody on it until releases bring it back under.
+        device = self._devices[name]
+        now = self._clock()
+        self._drain.advance(now, busy=True)
+        self._fair.hold(tenant, nbytes, 0, now)
+        device.reserved += nbytes
+        self._reserved += nbytes
+
     def _returned(self, name: str, tenant: str, nbytes: int, finished: bool) -> None:
         device = self._devices[name]
         now = self._clock()

@@ -453,6 +453,19 @@ class RedisLedger(LedgerBase):
         an absolute amount, so releases that land late or out of order never give bytes back twice."""
         on_ledger_thread(self._upkeep.loop, self._upkeep.thread, self._returned, reservation, reservation.nbytes, finished)
 
+    def grow(self, reservation: Reservation, nbytes: int) -> None:
+        """Count ``nbytes`` more for ``reservation``, past the budget if need be: Redis is told what
+        it holds now (its ``nbytes``), as for a shrink; see ``BudgetLedger``."""
+        on_ledger_thread(self._upkeep.loop, self._upkeep.thread, self._grown, reservation, reservation.nbytes)
+
+    def _grown(self, reservation: Reservation, hold: int) -> None:
+        rid, upkeep = reservation.id, self._upkeep
+        inner = self._inner.get(rid)
+        if inner is not None:  # granted by the local fallback: that ledger counts the growth too
+            inner.grow(hold)
+        if inner is None or rid in upkeep.restored:
+            upkeep.release(rid, hold, False)
+
     def _returned(self, reservation: Reservation, keep: int, finished: bool) -> None:
         rid, upkeep = reservation.id, self._upkeep
         inner = self._inner.pop(rid, None) if finished else self._inner.get(rid)

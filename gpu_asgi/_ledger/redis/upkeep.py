@@ -107,6 +107,8 @@ class Upkeep:
         self.closed = False
         self._retry_at = 0.0
         self._restoring: dict[str, asyncio.Task[None]] = {}
+        #: Each lease's last change sent (shrink, grow, release), which its next one waits for.
+        self._changing: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         #: The event loop this ledger serves, and its thread (releases from others are handed to it).
@@ -241,12 +243,19 @@ class Upkeep:
     # -- tracked background calls -------------------------------------------------------
 
     def release(self, rid: str, keep: int, finished: bool) -> None:
-        self.spawn(self._release(rid, keep, finished))
+        """Tell Redis what lease ``rid`` keeps now (a shrink, a grow, or its end), after every
+        earlier change of it: the amounts are absolute, so they must land in the order made."""
+        before = self._changing.get(rid)
+        task = self.spawn(self._release(rid, keep, finished, before))
+        if task is not None:
+            self._changing[rid] = task
+            task.add_done_callback(lambda done: self._changing.pop(rid, None) if self._changing.get(rid) is done else None)
 
-    async def _release(self, rid: str, keep: int, finished: bool) -> None:
+    async def _release(self, rid: str, keep: int, finished: bool, before: asyncio.Task[None] | None) -> None:
         restoring = self._restoring.get(rid)
-        if restoring is not None:  # a restore sent before this release must land first
-            await asyncio.wait([restoring])
+        earlier = [task for task in (restoring, before) if task is not None]
+        if earlier:  # a restore or an earlier change sent before this one must land first
+            await asyncio.wait(earlier)
         await self.retrying(self.scripts.release, rid, keep, finished)
 
     def leave(self, rid: str, reason: str) -> None:

@@ -1,5 +1,7 @@
--- ARG: id, bytes to keep, '1' when finished. Keeping is absolute and only ever lowers a
--- lease, so shrinks that land late or out of order cannot give bytes back twice.
+-- ARG: id, bytes to keep, '1' when finished. Keeping is absolute: a shrink lowers the lease and
+-- a grow raises it, past capacity (and quota) if need be, since the bytes are in use either way;
+-- each process sends one reservation's changes in order (upkeep), so a retried or late call
+-- repeats an amount already set and never gives bytes back twice.
 local function main()
   local id = ARG[1]
   if ARG[3] == '1' then
@@ -8,12 +10,12 @@ local function main()
   else
     local n, dev = lease_of(id)
     local keep = tonumber(ARG[2])
-    if n and keep < n then
+    if n and keep ~= n then
       redis.call('HINCRBY', K_RES, dev, int(keep - n))
       redis.call('HSET', K_LEASE, id, int(keep) .. ' ' .. dev)
       local t = redis.call('HGET', K_HOLDER, id)
       if t then tenant_holds(t, keep - n, 0) end
-      returned(n - keep)
+      if keep < n then returned(n - keep) end
     end
   end
   reap()
