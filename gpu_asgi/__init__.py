@@ -32,6 +32,7 @@ from ._errors import (
 )
 from ._estimate.analytic import AnalyticEstimator
 from ._estimate.calibration import CalibratedEstimator, PeakCalibration
+from ._estimate.lengths import LengthStatistics, OutputLengths
 from ._estimate.linear import Estimator, LinearEstimator, budget_bytes, calibrate, cuda_peak_measurer, fit_linear
 from ._estimate.paged import PagedKVEstimator, paged_kv_budget
 from ._estimate.tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
@@ -61,6 +62,7 @@ __all__ = [  # noqa: RUF022 - grouped by what a user does, not sorted
     "CalibratedEstimator",
     "Estimator",
     "LinearEstimator",
+    "OutputLengths",
     "PagedKVEstimator",
     "PeakCalibration",
     "budget_bytes",
@@ -107,7 +109,7 @@ __all__ = [  # noqa: RUF022 - grouped by what a user does, not sorted
 #: the calibration workflow and of a hand-made health endpoint, and constants.
 _ALSO_PUBLIC: tuple[Any, ...] = (
     calibrate, cuda_peak_measurer, fit_linear, health_report,
-    DeviceReading, DeviceSnapshot, DeviceStatistics, NVMLProbe, NoDeviceProbe, Phase, ShuttingDown, TenantStatistics,
+    DeviceReading, DeviceSnapshot, DeviceStatistics, LengthStatistics, NVMLProbe, NoDeviceProbe, Phase, ShuttingDown, TenantStatistics,
     TorchProbe,
 )
 _CONSTANTS = (DEFAULT_TENANT, MAX_PRIORITY, MIN_PRIORITY)

@@ -17,6 +17,7 @@ from opentelemetry.trace import Span, Tracer
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.sampler import DeviceSampler
 from .._errors import ClientClosedRequest, GPUAdmissionError, QueueTimeout
+from .._estimate.lengths import OutputLengths
 from .._estimate.linear import Estimator
 from .._estimate.tokens import TokenCounter, count_tokens_in_thread
 from .._ledger.contract import BudgetLedger, Reservation
@@ -37,6 +38,7 @@ from .body import (
 from .queue import check_device, trusted_devices, wait
 from .spec import RouteSpec
 from .tenant_keys import TenantKey, find_tenant
+from .usage import UsageMeter
 
 if TYPE_CHECKING:
     from .._observe.metrics import GPUMetrics
@@ -67,6 +69,10 @@ class Admission:
     sampling: bool | None = None
     #: The request body admission read (and estimated from); the endpoint receives these bytes.
     body: bytes = field(default=b"", repr=False, compare=False)
+    #: New tokens per sequence the reservation covers: the learned length's prediction (at most
+    #: ``max_new_tokens``) when the middleware learns lengths, else None (``max_new_tokens``, strict).
+    reserved_tokens: int | None = None
+    _meter: UsageMeter | None = field(default=None, repr=False, compare=False)
 
     @property
     def device(self) -> str:
@@ -76,6 +82,15 @@ class Admission:
     def tenant(self) -> str:
         """Whom the bytes were reserved for (``"default"`` when no tenant key found one)."""
         return self.reservation.tenant
+
+    def report_tokens(self, tokens: int, *, done: bool = False, truncated: bool = False) -> int:
+        """Tell admission the new tokens generated so far per sequence; call it before decoding past
+        :attr:`reserved_tokens`. The reservation grows (at once, past the budget if need be, so
+        nobody new is admitted until it is back under) when ``tokens`` pass what it covers; returns
+        the bytes it grew by. ``done``: the answer ended at ``tokens`` (``truncated``: its limit cut
+        it), and its length is learnt. Does nothing for a request admitted strictly."""
+        meter = self._meter
+        return 0 if meter is None else meter.report(tokens, done=done, truncated=truncated)
 
     def report_peak_bytes(self, nbytes: int) -> None:
         """Report the request's measured peak bytes: to the estimate-versus-actual metric, and to
@@ -116,6 +131,7 @@ class Gate:
         thermal: ThermalPolicy | None = None,
         device_guard: DeviceGuard | None = None,
         lifecycle: Lifecycle | None = None,
+        output_lengths: OutputLengths | None = None,
     ) -> None:
         if (thermal is not None or device_guard is not None) and sampler is None:
             raise ValueError("thermal and device_guard act on device readings: pass sampler=DeviceSampler(probe) too")
@@ -135,6 +151,8 @@ class Gate:
         self.device_guard = device_guard
         #: Readiness and drain: a draining process admits nothing new and fails its queue at once.
         self.lifecycle = Lifecycle(ready=True) if lifecycle is None else lifecycle
+        #: Learned output lengths: reserve their predicted quantile, not ``max_new_tokens`` (None: strict).
+        self.output_lengths = output_lengths
         #: Requests of this gate waiting for bytes: the queue depth a new one finds, counting
         #: those whose reserve() has not reached the ledger yet.
         self.queued = 0
@@ -156,13 +174,17 @@ class Gate:
             prompt_tokens = await self._count(request)
             batch = len(request.prompts) * request.n
             estimator = spec.estimator or self.estimator
-            nbytes = estimator.estimate(prompt_tokens, max_new_tokens, batch, sampling=request.sampling)
             keys = self.tenant_key if spec.tenant_key is None else spec.tenant_key
             # Tenants off (no key anywhere): no work, and no tenant label on spans or metrics.
             tenant, label = DEFAULT_TENANT, None
             if keys:
                 tenant = find_tenant(keys, scope, request.data)  # type: ignore[arg-type]  # a tuple since RouteSpec.__post_init__
                 label = tenant_label(tenant, self.tenant_labels)
+            lengths, reserved_tokens = self.output_lengths, None
+            if lengths is not None:
+                reserved_tokens = lengths.predict(max_new_tokens, route_name(scope), tenant if keys else None)
+            covered = max_new_tokens if reserved_tokens is None else reserved_tokens
+            nbytes = estimator.estimate(prompt_tokens, covered, batch, sampling=request.sampling)
         except GPUAdmissionError as error:
             self._count_refusal(error)
             raise
@@ -172,9 +194,15 @@ class Gate:
                 prompt_tokens, max_new_tokens, nbytes, batch, spec.priority, clamped_from, label
             ))
         reservation = await self._reserve(span, nbytes, spec, receive, wait_limit, tenant, label)
+        meter = None
+        if lengths is not None and reserved_tokens is not None:
+            meter = UsageMeter(
+                lengths, estimator, reservation, prompt_tokens=prompt_tokens, reserved_tokens=reserved_tokens,
+                limit=max_new_tokens, batch=batch, route=route_name(scope), tenant=tenant if keys else None,
+            )
         return Admission(
             reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, self.metrics, estimator,
-            request.sampling, body,
+            request.sampling, body, reserved_tokens, meter,
         )
 
     async def read(self, scope: Scope, receive: Receive) -> bytes:

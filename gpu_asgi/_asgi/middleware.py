@@ -24,6 +24,7 @@ from .._admission.spec import BODYLESS_METHODS, RouteSpec
 from .._admission.tenant_keys import TenantKey, tenant_keys
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.sampler import DeviceSampler
+from .._estimate.lengths import OutputLengths
 from .._estimate.linear import Estimator, as_estimator
 from .._estimate.tokens import HeuristicTokenCounter, TokenCounter
 from .._ledger.contract import BudgetLedger
@@ -85,6 +86,7 @@ class GPUAdmissionMiddleware:
         tenant_labels: Collection[str] | None = None,
         lifecycle: Lifecycle | None = None,
         cancel_on_disconnect: bool = True,
+        output_lengths: OutputLengths | None = None,
     ) -> None:
         self.app = app
         self.ledger = as_budget_ledger(ledger)  # a ledger in an earlier release's shape is adapted
@@ -106,11 +108,19 @@ class GPUAdmissionMiddleware:
         #: a route's own RouteSpec.cancel_on_disconnect wins.
         self.cancel_on_disconnect = cancel_on_disconnect
         self._style = ProblemStyle(reject_status, openai_errors)
+        #: Learned output lengths (``OutputLengths``): reserve a quantile of what answers of a route
+        #: really used, and grow a reservation whose answer runs past it. None (the default): strict,
+        #: ``prompt + max_new_tokens``. An endpoint that allocates as it generates must report its
+        #: tokens first (``Admission.report_tokens``): docs/admission.md, "Learned lengths".
+        self.output_lengths = output_lengths
+        if output_lengths is not None and getattr(self.ledger, "grow", None) is None:
+            raise ValueError("output_lengths needs a ledger whose reservations can grow (BudgetLedger.grow)")
         self._gate = Gate(
             ledger=self.ledger, estimator=self.estimator, token_counter=self.token_counter,
             max_body_bytes=max_body_bytes, body_timeout=body_timeout, tenant_key=self.tenant_key,
             tenant_labels=named_tenants(self.ledger, tenant_labels), tracer=otel.get_tracer(tracer_provider),
             metrics=metrics, sampler=sampler, thermal=thermal, device_guard=device_guard, lifecycle=self.lifecycle,
+            output_lengths=output_lengths,
         )
         #: Explicit paths (a pure ASGI host without a router): this table is the host's routing.
         self._explicit = dict(routes or {})

@@ -168,7 +168,8 @@ class Responder:
                 return self._send(message)
             if state == _ADMITTED and self._watch is not None:
                 self._watch.response_started = True  # a stream is the server's and Starlette's to end now
-            if state == _ADMITTED and self._admission.clamped_from is None:  # type: ignore[union-attr]
+            admission = self._admission
+            if state == _ADMITTED and admission.clamped_from is None and admission._meter is None:  # type: ignore[union-attr]
                 return self._send(message)  # the bytes are released at the last body chunk
         return self._send_watched(message)
 
@@ -269,6 +270,12 @@ class Responder:
             if admission.clamped_from is not None and kind == "http.response.start":
                 clamp = (CLAMPED_HEADER, str(admission.max_new_tokens).encode("ascii"))
                 message = {**message, "headers": [*message.get("headers", ()), clamp]}
+            meter = admission._meter
+            if meter is not None:  # a learned length: count what goes out, grow past the prediction
+                if kind == "http.response.start":
+                    meter.started(message)
+                elif kind == "http.response.body":
+                    meter.sent(message)  # a stream's events are counted (and grown for) before they leave
             await self._send(message)
             if (kind == "http.response.body" and not message.get("more_body", False)) or kind == "http.response.pathsend":
                 admission.reservation.release()

@@ -1,0 +1,246 @@
+"""Learned output lengths (``OutputLengths``) and what admission does with them: reserve the
+learnt quantile, not ``max_tokens``; grow a reservation whose answer runs past it; learn each
+answer's length from what goes out (OpenAI ``usage``, a stream's events) or from the endpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gpu_asgi import Admission, GPUAdmissionMiddleware, Ledger, LinearEstimator, OutputLengths, gpu_bound
+
+from ._asgi import Words, client
+
+PER_TOKEN = LinearEstimator(bytes_per_token=10)
+ROUTE = "POST /v1/completions"
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+def test_cold_start_reserves_the_declared_limit() -> None:
+    lengths = OutputLengths(min_samples=4)
+    for _ in range(3):
+        lengths.observe(10, ROUTE)
+    assert lengths.predict(400, ROUTE) == 400  # 3 answers seen: not enough
+    lengths.observe(10, ROUTE)
+    assert lengths.predict(400, ROUTE) == 10
+
+
+def test_it_converges_on_the_quantile_of_a_known_length_distribution() -> None:
+    """Geometric lengths with mean 68 (answers that stop at EOS): the 0.9 quantile is
+    ln(10) / -ln(1 - p), about 156 tokens."""
+    rng = random.Random(7)
+    p = 1 / 68
+    lengths = OutputLengths(0.9, window=2000, min_samples=16)
+    for _ in range(2000):
+        lengths.observe(math.ceil(math.log(1 - rng.random()) / math.log(1 - p)), ROUTE)
+    expected = math.log(10) / -math.log(1 - p)
+    assert abs(lengths.predict(4096, ROUTE) - expected) / expected < 0.1
+    assert lengths.predict(100, ROUTE) == 100  # never above the request's own limit
+
+
+def test_answers_cut_by_their_limit_count_as_at_least_that_limit() -> None:
+    lengths = OutputLengths(0.5, min_samples=4)
+    for _ in range(3):
+        lengths.observe(50, ROUTE, truncated=True)  # would have gone on
+    lengths.observe(10, ROUTE)
+    assert lengths.predict(400, ROUTE) == 400  # the median is censored: the limit, whatever it is
+    for _ in range(4):
+        lengths.observe(10, ROUTE)
+    assert lengths.predict(400, ROUTE) == 10
+
+
+def test_a_tenant_with_enough_answers_of_its_own_is_predicted_from_them() -> None:
+    lengths = OutputLengths(0.9, min_samples=4)
+    for _ in range(8):
+        lengths.observe(300, ROUTE, "long")
+    for _ in range(40):
+        lengths.observe(20, ROUTE, "short")
+    assert lengths.predict(1000, ROUTE, "long") == 300
+    assert lengths.predict(1000, ROUTE, "short") == 20
+    assert lengths.predict(1000, ROUTE, "new") == 300  # the route's: 8 of its 48 answers are 300
+    assert lengths.predict(1000, "POST /other", "short") == 1000  # nothing known of that route
+
+
+def test_its_memory_is_bounded_and_follows_changing_traffic() -> None:
+    lengths = OutputLengths(0.5, window=10, min_samples=5, max_keys=3)
+    for _ in range(10):
+        lengths.observe(500, ROUTE)
+    for _ in range(10):
+        lengths.observe(20, ROUTE)  # the traffic changed: the old answers left the window
+    assert lengths.predict(1000, ROUTE) == 20
+    for tenant in ("a", "b", "c", "d"):
+        lengths.observe(5, ROUTE, tenant)
+    rows = lengths.statistics()
+    # max_keys: the least recently seen keys went first (the route's own is seen with every answer)
+    assert {(r.route, r.tenant) for r in rows} == {(ROUTE, None), (ROUTE, "c"), (ROUTE, "d")}
+    assert all(r.samples <= 10 for r in rows)
+
+
+@pytest.mark.parametrize("options", [{"quantile": 0}, {"quantile": 1.5}, {"window": 0}, {"min_samples": 0},
+                                     {"window": 4, "min_samples": 5}, {"max_keys": 0}])
+def test_bad_settings_are_refused(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        OutputLengths(**options)
+
+
+# -- admission with learned lengths -----------------------------------------------------------
+
+
+def app_with(ledger: Ledger, lengths: OutputLengths | None, endpoint: Any) -> Starlette:
+    app = Starlette(routes=[Route("/v1/completions", endpoint, methods=["POST"])])
+    app.add_middleware(
+        GPUAdmissionMiddleware, ledger=ledger, estimator=PER_TOKEN, token_counter=Words(), output_lengths=lengths
+    )
+    return app
+
+
+def body(max_tokens: int = 400) -> dict[str, Any]:
+    return {"prompt": "one two three four", "max_tokens": max_tokens}
+
+
+async def test_a_warm_route_reserves_the_prediction_and_learns_from_usage() -> None:
+    ledger = Ledger(10**6)
+    held: list[int] = []
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+        held.append(ledger.statistics().reserved_bytes)
+        return JSONResponse({"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"completion_tokens": 30}})
+
+    lengths = OutputLengths(0.9, min_samples=4)
+    async with client(app_with(ledger, lengths, completions)) as http:
+        for _ in range(5):
+            assert (await http.post("/v1/completions", json=body())).status_code == 200
+    assert held[:4] == [(4 + 400) * 10] * 4  # cold: prompt + max_tokens
+    assert held[4] == (4 + 30) * 10  # warm: prompt + the learnt 30
+    assert lengths.statistics()[0].samples == 5
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_strict_is_the_default_and_reserves_the_limit() -> None:
+    ledger = Ledger(10**6)
+    held: list[int] = []
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+        held.append(ledger.statistics().reserved_bytes)
+        return JSONResponse({"usage": {"completion_tokens": 30}})
+
+    async with client(app_with(ledger, None, completions)) as http:
+        for _ in range(20):
+            assert (await http.post("/v1/completions", json=body())).status_code == 200
+    assert set(held) == {(4 + 400) * 10}
+
+
+def sse(events: list[dict[str, Any]]) -> list[bytes]:
+    return [f"data: {json.dumps(event)}\n\n".encode() for event in events] + [b"data: [DONE]\n\n"]
+
+
+async def test_a_stream_past_its_prediction_grows_its_reservation_and_is_learnt() -> None:
+    ledger = Ledger(10**6)
+    lengths = OutputLengths(0.9, min_samples=4)
+    for _ in range(4):
+        lengths.observe(20, ROUTE)
+    seen: list[int] = []
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+
+        async def tokens() -> Any:
+            for i in range(100):
+                seen.append(ledger.statistics().reserved_bytes)
+                finish = "stop" if i == 99 else None
+                # two events split across chunks: the meter reassembles them
+                (chunk,) = sse([{"choices": [{"index": 0, "text": "t", "finish_reason": finish}]}])[:1]
+                yield chunk[:7]
+                yield chunk[7:]
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(tokens(), media_type="text/event-stream")
+
+    async with client(app_with(ledger, lengths, completions)) as http:
+        response = await http.post("/v1/completions", json=body())
+    assert response.status_code == 200
+    assert seen[0] == (4 + 20) * 10  # the prediction
+    assert max(seen) >= (4 + 99) * 10  # grew as the stream ran past it
+    assert max(seen) <= (4 + 400) * 10  # never past the declared limit
+    assert len(set(seen)) < 10  # in a few steps, not at every token
+    assert ledger.statistics().reserved_bytes == 0  # and every byte came back
+    assert lengths.predict(400, ROUTE) == 100  # 1 of 5 answers is 100 tokens: the 0.9 quantile
+
+
+async def test_a_stream_cut_by_its_limit_is_learnt_as_censored() -> None:
+    ledger = Ledger(10**6)
+    lengths = OutputLengths(0.5, min_samples=1)
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+        events = [{"choices": [{"index": 0, "text": "t", "finish_reason": None}]}] * 9
+        events.append({"choices": [{"index": 0, "text": "t", "finish_reason": "length"}]})
+        return StreamingResponse(iter(sse(events)), media_type="text/event-stream")
+
+    async with client(app_with(ledger, lengths, completions)) as http:
+        assert (await http.post("/v1/completions", json=body(10))).status_code == 200
+    assert lengths.statistics()[0].censored == 1
+    assert lengths.predict(400, ROUTE) == 400
+
+
+async def test_an_endpoint_of_another_shape_reports_its_tokens_and_grows_before_it_allocates() -> None:
+    ledger = Ledger(10**6)
+    lengths = OutputLengths(0.9, min_samples=1)
+    lengths.observe(10, ROUTE)
+    grown: list[int] = []
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+        admission: Admission = request.state.gpu_admission
+        assert admission.reserved_tokens == 10 and admission.max_new_tokens == 400
+        for step in range(1, 61):
+            grown.append(admission.report_tokens(step))  # before decoding token `step`
+        admission.report_tokens(60, done=True)
+        return Response(b"plain text, no usage")
+
+    async with client(app_with(ledger, lengths, completions)) as http:
+        assert (await http.post("/v1/completions", json=body())).status_code == 200
+    # at 11 tokens to cover 27 (a step of 16 ahead), at 28 to 44, at 45 to 61
+    assert sum(grown) == (4 + 61) * 10 - (4 + 10) * 10
+    assert grown[9] == 0 and grown[10] > 0  # nothing until it passed the 10 reserved
+    assert sorted(r.samples for r in lengths.statistics()) == [2]
+    assert ledger.statistics().reserved_bytes == 0
+
+
+async def test_an_error_answer_teaches_nothing() -> None:
+    ledger = Ledger(10**6)
+    lengths = OutputLengths(0.9, min_samples=1)
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+        return JSONResponse({"error": "boom", "usage": {"completion_tokens": 3}}, status_code=500)
+
+    async with client(app_with(ledger, lengths, completions)) as http:
+        assert (await http.post("/v1/completions", json=body())).status_code == 500
+    assert lengths.statistics() == ()
+
+
+def test_learning_needs_a_ledger_that_can_grow() -> None:
+    class NoGrow(Ledger):
+        grow = None  # type: ignore[assignment]
+
+    with pytest.raises(ValueError, match="grow"):
+        GPUAdmissionMiddleware(Starlette(), ledger=NoGrow(10), estimator=PER_TOKEN, output_lengths=OutputLengths())
