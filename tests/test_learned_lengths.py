@@ -244,3 +244,37 @@ def test_learning_needs_a_ledger_that_can_grow() -> None:
 
     with pytest.raises(ValueError, match="grow"):
         GPUAdmissionMiddleware(Starlette(), ledger=NoGrow(10), estimator=PER_TOKEN, output_lengths=OutputLengths())
+
+
+async def test_what_was_learnt_shows_in_health_and_metrics() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gpu_asgi import GPUMetrics, health_report
+
+    ledger = Ledger(10**6)
+    lengths = OutputLengths(0.9, min_samples=2)
+    metrics = GPUMetrics(ledger, registry=CollectorRegistry())
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+        events = [{"choices": [{"index": 0, "text": "t", "finish_reason": None}]}] * 60
+        return StreamingResponse(iter(sse(events)), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app.add_middleware(
+        GPUAdmissionMiddleware, ledger=ledger, estimator=PER_TOKEN, token_counter=Words(), output_lengths=lengths,
+        metrics=metrics,
+    )
+    lengths.observe(10, ROUTE)
+    lengths.observe(10, ROUTE)
+    async with client(app) as http:
+        assert (await http.post("/v1/completions", json=body())).status_code == 200
+    (row,) = health_report(ledger, output_lengths=lengths)["output_lengths"]
+    assert row == {"route": ROUTE, "tenant": None, "samples": 3, "censored": 0, "predicted_tokens": 60}
+    text = generate_latest(metrics.registry).decode()
+    assert "gpu_asgi_reservation_grown_bytes_total" in text
+    grown = next(line for line in text.splitlines() if line.startswith("gpu_asgi_reservation_grown_bytes_total"))
+    assert float(grown.split()[-1]) > 0
+    share = next(line for line in text.splitlines() if line.startswith("gpu_asgi_reserved_output_share_sum"))
+    assert float(share.split()[-1]) == pytest.approx(10 / 400)

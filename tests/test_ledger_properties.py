@@ -106,6 +106,10 @@ class InProcess:
         self.held[arrival].shrink(keep)
         self.spin()
 
+    def grow(self, arrival: int, hold: int) -> None:
+        self.held[arrival].grow(hold)
+        self.spin()
+
     def cancel(self, arrival: int) -> None:
         self.tasks[arrival].cancel()
         self.spin()
@@ -175,6 +179,9 @@ class InRedis:
     def shrink(self, arrival: int, keep: int) -> None:
         self.run(self.scripts.release(f"a{arrival}", keep, False))
 
+    def grow(self, arrival: int, hold: int) -> None:
+        self.run(self.scripts.release(f"a{arrival}", hold, False))  # absolute: up as well as down
+
     def cancel(self, arrival: int) -> None:
         self.run(self.scripts.leave(f"a{arrival}"))
 
@@ -224,6 +231,10 @@ class LedgerMachine(RuleBasedStateMachine):
         self.arrivals = 0
         self.waiting: dict[int, tuple[int, tuple[str, ...] | None, int]] = {}  # arrival -> request
         self.tenant_of: dict[int, str] = {}
+        #: Arrivals whose reservation grew: only they may take a device or tenant past its bound.
+        self.grown: set[int] = set()
+        #: Arrivals holding bytes at the last comparison.
+        self.placed: set[int] = set()
         self.clock = Clock()
         #: When the ledgers last decided (time passing alone decides nothing).
         self.decided_at = self.clock.now
@@ -259,6 +270,11 @@ class LedgerMachine(RuleBasedStateMachine):
         if decided:
             self.decided_at = self.clock.now
         memory = self.memory.placements()
+        for arrival in memory.keys() - self.placed:  # admitted in this step: only while under budget
+            device = memory[arrival][0]
+            on_device = sum(n for d, n in memory.values() if d == device)
+            assert on_device <= CAPACITIES[device], f"admitted {arrival} on {device} past its budget ({on_device})"
+        self.placed = set(memory)
         if self.redis is not None:
             assert self.redis.placements() == memory, "the two ledgers admitted differently"
             assert self.redis.accounts() == self.memory.accounts(), "the two ledgers' tenant accounts differ"
@@ -334,6 +350,17 @@ class LedgerMachine(RuleBasedStateMachine):
             backend.shrink(arrival, nbytes)
         self.compare()
 
+    @precondition(lambda self: self.memory.held)
+    @rule(index=st.integers(0, 1000), extra=st.integers(1, 80))
+    def grow(self, index: int, extra: int) -> None:
+        """An answer runs past its reservation: it grows, past a budget or quota if need be."""
+        arrival = sorted(self.memory.held)[index % len(self.memory.held)]
+        hold = self.memory.held[arrival].nbytes + extra
+        self.grown.add(arrival)
+        for backend in self.backends():
+            backend.grow(arrival, hold)
+        self.compare(decided=False)  # growing admits nobody
+
     @precondition(lambda self: self.memory.tasks)
     @rule(index=st.integers(0, 1000))
     def cancel(self, index: int) -> None:
@@ -352,7 +379,10 @@ class LedgerMachine(RuleBasedStateMachine):
             for name, capacity in CAPACITIES.items():
                 on_device = sum(n for device, n in held.values() if device == name)
                 assert reserved[name] == on_device, f"{type(backend).__name__}: {name} counts {reserved[name]}"
-                assert 0 <= on_device <= capacity
+                assert 0 <= on_device
+                if on_device > capacity:  # only growth may do that, never an admission
+                    assert any(a in self.grown for a, (device, _) in held.items() if device == name)
+
         stats = self.memory.ledger.statistics()
         assert stats.in_flight == len(held)
         assert stats.waiting == len(self.memory.tasks)
@@ -374,7 +404,8 @@ class LedgerMachine(RuleBasedStateMachine):
             by_tenant[self.tenant_of[arrival]] = by_tenant.get(self.tenant_of[arrival], 0) + nbytes
         for tenant, nbytes in by_tenant.items():
             quota = self.memory.ledger.tenant_policy(tenant).quota_bytes
-            assert quota is None or nbytes <= quota, f"{tenant} holds {nbytes} bytes, quota {quota}"
+            grew = any(self.tenant_of[a] == tenant for a in self.memory.placements() if a in self.grown)
+            assert quota is None or nbytes <= quota or grew, f"{tenant} holds {nbytes} bytes, quota {quota}"
             for backend in self.backends():  # each ledger's own account agrees
                 assert backend.accounts()[tenant][0] == nbytes
 

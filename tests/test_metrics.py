@@ -148,6 +148,8 @@ def test_metric_names_follow_prometheus_conventions() -> None:
         "gpu_asgi_max_new_tokens_clamped": "counter",
         "gpu_asgi_queue_wait_seconds": "histogram",
         "gpu_asgi_peak_estimate_ratio": "histogram",
+        "gpu_asgi_reserved_output_share": "histogram",
+        "gpu_asgi_reservation_grown_bytes": "counter",
         "gpu_asgi_tenant_admitted": "counter",
         "gpu_asgi_tenant_rejected": "counter",
         "gpu_asgi_tenant_queue_wait_seconds": "histogram",

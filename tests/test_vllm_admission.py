@@ -76,6 +76,9 @@ def test_settings_default_and_parse() -> None:
     assert settings.tenant_policies()["gold"].weight == 4.0
     assert (settings.ledger_url, settings.namespace, settings.oversubscribe) == ("redis://127.0.0.1:6379/0", "gpu0", 1.5)
     assert VLLMSettings.from_env({"GPU_ASGI_LEDGER_URL": "memory://"}).ledger_url is None
+    assert VLLMSettings().quantile == 0.9  # learned lengths by default
+    for text, quantile in (("strict", None), ("STRICT", None), ("learned", 0.9), ("0.75", 0.75), ("1", 1.0)):
+        assert VLLMSettings.from_env({"GPU_ASGI_RESERVE": text}).quantile == quantile
 
 
 @pytest.mark.parametrize(
@@ -94,6 +97,9 @@ def test_settings_default_and_parse() -> None:
         ({"GPU_ASGI_OVERSUBSCRIBE": "9"}, "a factor from 0.1 to 4"),
         ({"GPU_ASGI_OVERSUBSCRIBE": "nan"}, "GPU_ASGI_OVERSUBSCRIBE"),
         ({"GPU_ASGI_REDIS_TIMEOUT": "0"}, "GPU_ASGI_REDIS_TIMEOUT"),
+        ({"GPU_ASGI_RESERVE": "0"}, "expected strict, learned or a quantile"),
+        ({"GPU_ASGI_RESERVE": "1.5"}, "GPU_ASGI_RESERVE"),
+        ({"GPU_ASGI_RESERVE": "worst"}, "GPU_ASGI_RESERVE"),
     ],
 )
 def test_settings_refuse_what_they_cannot_use(environ: dict[str, str], message: str) -> None:
@@ -157,7 +163,10 @@ def vllm_like_app(state: Any, environ: Mapping[str, str], registry: Any, hold: a
     async def completions(body: dict[str, Any], request: Request) -> dict[str, Any]:
         if body.get("hold"):
             await hold.wait()
-        return admitted(request)
+        answer = admitted(request)
+        if "answer_tokens" in body:  # what vLLM's answer says it generated
+            answer["usage"] = {"completion_tokens": body["answer_tokens"]}
+        return answer
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict[str, Any], request: Request) -> dict[str, Any]:
@@ -308,3 +317,71 @@ def _collect(sent: list[Any]) -> Any:
         sent.append(message)
 
     return send
+
+
+# -- learned lengths and the closed loop on vLLM's KV-cache usage -----------------------------
+
+
+async def test_learned_lengths_are_the_default_and_strict_stays_a_setting() -> None:
+    blocks = lambda tokens: -(-tokens // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN  # noqa: E731
+    request = {"prompt": "x", "max_tokens": 600, "answer_tokens": 40}
+    for environ, warm in (({}, blocks(1 + 40)), ({"GPU_ASGI_RESERVE": "strict"}, blocks(1 + 600))):
+        async with served(environ) as (client, _, _):
+            reserved = [(await client.post("/v1/completions", json=request)).json()["bytes"] for _ in range(17)]
+        assert reserved[:16] == [blocks(1 + 600)] * 16  # cold: nothing learnt yet, the worst case
+        assert reserved[16] == warm  # 16 answers of 40 tokens: one block, unless strict
+
+
+def usage_registry(value: float) -> tuple[CollectorRegistry, Any]:
+    from prometheus_client import Gauge
+
+    registry = CollectorRegistry()
+    gauge = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage", ["engine", "model_name"], registry=registry)
+    gauge.labels(engine="0", model_name="tiny").set(value)
+    return registry, gauge.labels(engine="0", model_name="tiny")
+
+
+async def test_the_cache_holding_more_than_was_reserved_is_corrected_into_the_ledger() -> None:
+    from gpu_asgi import Ledger
+    from gpu_asgi._vllm.engine_usage import ENGINE_TENANT, EngineUsage
+
+    block = BLOCK * KV_BYTES_PER_TOKEN
+    ledger = Ledger(15 * block)
+    registry, usage = usage_registry(0.0)
+    loop = EngineUsage(ledger, registry, cache_bytes=15 * block, block_bytes=block)
+    await loop.correct()
+    assert loop.correction is not None and loop.correction.nbytes == 0 and loop.correction.tenant == ENGINE_TENANT
+    client = await ledger.reserve(2 * block)  # reserved 2 blocks; its answer grew inside vLLM to 5
+    usage.set(5 / 15)
+    await loop.correct()
+    assert loop.correction.nbytes == 3 * block
+    assert ledger.statistics().reserved_bytes == 5 * block
+    usage.set(15.5 / 15)  # past the budget (over-subscribed): nobody new until it is back under
+    await loop.correct()
+    assert ledger.statistics().reserved_bytes == 16 * block and ledger.try_reserve(0) is None
+    usage.set(1 / 15)  # less used than reserved: nothing to correct
+    await loop.correct()
+    assert loop.correction.nbytes == 0
+    client.release()
+    await loop.stop()
+    assert ledger.statistics().reserved_bytes == 0 and ledger.statistics().in_flight == 0
+
+
+async def test_the_closed_loop_runs_beside_learned_lengths_only() -> None:
+    from gpu_asgi._vllm.middleware import build
+
+    def vllm_app() -> FastAPI:
+        app = FastAPI()
+        for name, value in vars(vllm_state()).items():
+            setattr(app.state, name, value)
+
+        @app.post("/v1/completions")
+        async def completions(body: dict[str, Any]) -> dict[str, Any]:
+            return body
+
+        return app
+
+    registry, _ = usage_registry(0.0)
+    learned, strict = vllm_app(), vllm_app()
+    assert build(learned, learned, {}, registry)[1] is not None
+    assert build(strict, strict, {"GPU_ASGI_RESERVE": "strict"}, CollectorRegistry())[1] is None

@@ -199,7 +199,10 @@ class Gate:
             meter = UsageMeter(
                 lengths, estimator, reservation, prompt_tokens=prompt_tokens, reserved_tokens=reserved_tokens,
                 limit=max_new_tokens, batch=batch, route=route_name(scope), tenant=tenant if keys else None,
+                metrics=self.metrics,
             )
+            if self.metrics is not None:
+                self.metrics.record_learned(reserved_tokens, max_new_tokens)
         return Admission(
             reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, self.metrics, estimator,
             request.sampling, body, reserved_tokens, meter,

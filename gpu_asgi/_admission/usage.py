@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._estimate.lengths import OutputLengths
 from .._estimate.linear import Estimator
 from .._ledger.contract import Reservation
 from .._types import Message
+
+if TYPE_CHECKING:
+    from .._observe.metrics import GPUMetrics
 
 #: A JSON answer larger than this is not kept for its ``usage`` (nothing is learnt from it).
 MAX_METERED_BODY = 4 << 20
@@ -30,7 +33,7 @@ class UsageMeter:
     covers, and tells ``lengths`` how long the answer was when it ends."""
 
     __slots__ = (
-        "_batch", "_body", "_covered", "_ended", "_estimator", "_events", "_lengths", "_limit", "_prompt",
+        "_batch", "_body", "_covered", "_ended", "_estimator", "_events", "_lengths", "_limit", "_metrics", "_prompt",
         "_reservation", "_route", "_status", "_stream", "_tail", "_tenant", "_truncated", "_usage", "grown_bytes",
         "tokens",
     )
@@ -38,8 +41,10 @@ class UsageMeter:
     def __init__(
         self, lengths: OutputLengths, estimator: Estimator, reservation: Reservation, *, prompt_tokens: int,
         reserved_tokens: int, limit: int, batch: int, route: str, tenant: str | None,
+        metrics: GPUMetrics | None = None,
     ) -> None:
         self._lengths = lengths
+        self._metrics = metrics
         self._estimator = estimator
         self._reservation = reservation
         self._prompt = prompt_tokens
@@ -82,6 +87,8 @@ class UsageMeter:
         needed = self._estimator.estimate(self._prompt, self._covered, self._batch)
         grown = self._reservation.grow(needed)
         self.grown_bytes += grown
+        if self._metrics is not None:
+            self._metrics.record_growth(grown)
         return grown
 
     def _learn(self) -> None:

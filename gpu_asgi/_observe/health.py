@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from starlette.requests import Request
@@ -31,6 +32,7 @@ from starlette.routing import Route, Router
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.probe import DeviceReading
 from .._device.sampler import DeviceSampler
+from .._estimate.lengths import OutputLengths
 from .._ledger.contract import BudgetLedger
 from .._ledger.legacy import as_budget_ledger
 from .lifecycle import Lifecycle
@@ -46,10 +48,11 @@ def health_report(
     thermal: ThermalPolicy | None = None,
     device_guard: DeviceGuard | None = None,
     lifecycle: Lifecycle | None = None,
+    output_lengths: OutputLengths | None = None,
 ) -> dict[str, Any]:
     """The ``/health`` body. Call it on the event loop (it reads the ledger)."""
     ledger = as_budget_ledger(ledger)  # a ledger in an earlier release's shape is adapted
-    return _report(ledger, sampler, thermal, device_guard, lifecycle)
+    return _report(ledger, sampler, thermal, device_guard, lifecycle, output_lengths)
 
 
 def _report(
@@ -58,6 +61,7 @@ def _report(
     thermal: ThermalPolicy | None,
     device_guard: DeviceGuard | None,
     lifecycle: Lifecycle | None,
+    output_lengths: OutputLengths | None = None,
 ) -> dict[str, Any]:
     """:func:`health_report` of a ledger already adapted (the router adapts once, not per request)."""
     stats = ledger.statistics()
@@ -131,6 +135,7 @@ def _report(
         "devices": devices,
         "probe": probe,
         **({} if lifecycle is None else {"ready": lifecycle.ready, "draining": lifecycle.draining}),
+        **({} if output_lengths is None else {"output_lengths": [asdict(row) for row in output_lengths.statistics()]}),
     }
 
 
@@ -158,6 +163,7 @@ def health_router(
     live_path: str = "/health/live",
     ready_path: str = "/health/ready",
     drain_path: str | None = None,
+    output_lengths: OutputLengths | None = None,
 ) -> Router:
     """A router with ``GET health_path`` and, when ``metrics`` is given, ``GET metrics_path``.
 
@@ -168,7 +174,7 @@ def health_router(
 
     Mount it (``app.mount("/ops", health_router(...))``) or add its routes at the top level
     (``app.router.routes.extend(health_router(...).routes)``). Pass the same ledger, sampler,
-    thermal policy and guard as to the middleware.
+    thermal policy, guard and ``output_lengths`` as to the middleware (the last shows what it learnt).
     """
     ledger = as_budget_ledger(ledger)
 
@@ -177,7 +183,7 @@ def health_router(
             sampler.ensure_started()
         if metrics is not None:
             metrics.ensure_refreshing()
-        return _report(ledger, sampler, thermal, device_guard, lifecycle)
+        return _report(ledger, sampler, thermal, device_guard, lifecycle, output_lengths)
 
     async def health(request: Request) -> Response:
         body = report()

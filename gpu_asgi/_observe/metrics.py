@@ -27,6 +27,8 @@ DEFAULT_NAMESPACE = "gpu_asgi"
 DEFAULT_REFRESH_INTERVAL = 1.0
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PEAK_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+#: Learned lengths: the share of a request's declared limit that was reserved (1.0: the worst case).
+RESERVED_SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 0.9, 1.0)
 
 #: (name, help, labels, multiprocess mode); ``ledger`` modes become ``livemax`` for a shared ledger.
 LEDGER_GAUGES = (
@@ -144,6 +146,15 @@ class GPUMetrics:
             buckets=PEAK_RATIO_BUCKETS,
             **common,
         )
+        self.reserved_output_share = prom.Histogram(
+            "reserved_output_share",
+            "Learned lengths: new tokens reserved / the request's declared limit (1: the worst case).",
+            buckets=RESERVED_SHARE_BUCKETS,
+            **common,
+        )
+        self.grown = prom.Counter(
+            "reservation_grown_bytes", "Bytes reservations grew by as answers ran past their prediction.", **common
+        )
         self._gauges: dict[str, Any] = {}
         self._refresher: asyncio.Task[None] | None = None
         if self.multiprocess:
@@ -195,6 +206,15 @@ class GPUMetrics:
     def record_peak(self, device: str, estimated_bytes: int, actual_bytes: int) -> None:
         if estimated_bytes > 0:
             self._child(self.peak_ratio, "peak", device).observe(actual_bytes / estimated_bytes)
+
+    def record_learned(self, reserved_tokens: int, max_new_tokens: int) -> None:
+        """A request admitted on a learned length: how much of its limit it reserved."""
+        if max_new_tokens > 0:
+            self.reserved_output_share.observe(reserved_tokens / max_new_tokens)
+
+    def record_growth(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self.grown.inc(nbytes)
 
     # -- state gauges --------------------------------------------------------------------------
 

@@ -17,12 +17,14 @@ from typing import Any
 
 from .._asgi.middleware import GPUAdmissionMiddleware
 from .._asgi.routes import declared_routes
+from .._estimate.lengths import OutputLengths
 from .._estimate.paged import PagedKVEstimator
 from .._estimate.tokens import HFTokenCounter
 from .._ledger.contract import BudgetLedger
 from .._ledger.url import ledger_from_url
 from .._observe.metrics import GPUMetrics
 from .._types import ASGIApp, Message, Receive, Scope, Send
+from .engine_usage import EngineUsage
 from .routes import route_specs, tag_routes
 from .server import ServerNotReady, VLLMServer, learn
 from .settings import VLLMSettings
@@ -60,9 +62,13 @@ def prometheus_registry() -> Any:
     return REGISTRY
 
 
-def build(app: ASGIApp, vllm_app: Any, environ: Mapping[str, str], registry: Any = None) -> GPUAdmissionMiddleware:
+def build(
+    app: ASGIApp, vllm_app: Any, environ: Mapping[str, str], registry: Any = None
+) -> tuple[GPUAdmissionMiddleware, EngineUsage | None]:
     """The admission middleware around ``app``, sized from the vLLM server ``vllm_app``; its metrics
-    in ``registry`` (default: the one vLLM's ``/metrics`` serves)."""
+    in ``registry`` (default: the one vLLM's ``/metrics`` serves). With learned lengths, also the
+    closed loop on vLLM's KV-cache usage, read from that registry (strict needs none: what it
+    reserves is the most a request can use)."""
     settings = VLLMSettings.from_env(environ)
     server = learn(getattr(vllm_app, "state", None))
     estimator = PagedKVEstimator(
@@ -78,11 +84,14 @@ def build(app: ASGIApp, vllm_app: Any, environ: Mapping[str, str], registry: Any
     metrics = None if registry is None else GPUMetrics(
         ledger, registry=registry, shared_ledger=settings.ledger_url is not None
     )
+    lengths = None if settings.quantile is None else OutputLengths(settings.quantile)
+    reserve = "strict" if lengths is None else f"learned lengths, quantile {settings.quantile:g}"
     startup_logger().info(
-        "gpu_asgi admits %s against %d bytes (%s, over-subscription %g, ledger %s)",
-        ", ".join(tagged), budget, server.describe(), settings.oversubscribe, settings.ledger_url or "in-process",
+        "gpu_asgi admits %s against %d bytes (%s, reserving %s, over-subscription %g, ledger %s)",
+        ", ".join(tagged), budget, server.describe(), reserve, settings.oversubscribe,
+        settings.ledger_url or "in-process",
     )
-    return GPUAdmissionMiddleware(
+    admission = GPUAdmissionMiddleware(
         app,
         ledger=ledger,
         estimator=estimator,
@@ -91,7 +100,13 @@ def build(app: ASGIApp, vllm_app: Any, environ: Mapping[str, str], registry: Any
         metrics=metrics,
         openai_errors=True,
         tenant_key=settings.tenant_key,
+        output_lengths=lengths,
     )
+    usage = None
+    if lengths is not None and registry is not None:
+        cache_bytes = server.usable_blocks * estimator.bytes_per_block
+        usage = EngineUsage(ledger, registry, cache_bytes=cache_bytes, block_bytes=estimator.bytes_per_block)
+    return admission, usage
 
 
 class VLLMAdmission:
@@ -106,6 +121,7 @@ class VLLMAdmission:
         self._environ = environ
         self._registry = registry
         self._admission: GPUAdmissionMiddleware | None = None
+        self._usage: EngineUsage | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = self._admission
@@ -114,18 +130,21 @@ class VLLMAdmission:
         elif scope["type"] == "lifespan":
             await self._start(scope, receive, send)
         elif scope["type"] == "http":  # a host that runs no lifespan: start on the first request
-            self._admission = self._build(scope)
+            self._admission, self._usage = self._build(scope)
+            if self._usage is not None:
+                self._usage.start()
             await self._admission(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
-    def _build(self, scope: Scope) -> GPUAdmissionMiddleware:
+    def _build(self, scope: Scope) -> tuple[GPUAdmissionMiddleware, EngineUsage | None]:
         environ = os.environ if self._environ is None else self._environ
         return build(self.app, scope.get("app"), environ, self._registry)
 
     async def _start(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            admission = self._admission = self._build(scope)
+            admission, usage = self._build(scope)
+            self._admission, self._usage = admission, usage
         except (ServerNotReady, ValueError, ImportError) as error:  # SettingsError is a ValueError; ImportError: the redis extra
             problem = f"gpu_asgi.vllm cannot start: {error}"
             startup_logger().error("%s", problem)
@@ -135,7 +154,11 @@ class VLLMAdmission:
         ledger = admission.ledger
 
         async def send_closing(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete" and usage is not None:
+                usage.start()
             if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                if usage is not None:
+                    await usage.stop()
                 aclose = getattr(ledger, "aclose", None)  # the Redis ledger's heartbeat and connections
                 if aclose is not None:
                     await aclose()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .._admission.tenant_keys import TenantKey
+from .._estimate.lengths import DEFAULT_QUANTILE
 from .._ledger.contract import DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT, DEFAULT_REDIS_TIMEOUT
 from .._ledger.tenants import TenantPolicy
 from .._ledger.url import REDIS_SCHEMES
@@ -51,6 +52,10 @@ class VLLMSettings:
     namespace: str = DEFAULT_NAMESPACE
     #: ``GPU_ASGI_OVERSUBSCRIBE``: admit up to this many times the KV cache (1.0: never preempt).
     oversubscribe: float = 1.0
+    #: ``GPU_ASGI_RESERVE``: ``strict`` reserves ``prompt + max_tokens`` (never a preemption);
+    #: ``learned`` (the default) or a quantile in (0, 1] reserves ``prompt +`` that quantile of the
+    #: lengths answers of the route really had (``learned`` is 0.9). None: strict.
+    quantile: float | None = DEFAULT_QUANTILE
     #: ``GPU_ASGI_REDIS_TIMEOUT``: seconds the shared ledger waits for one Redis answer before
     #: admission fails closed (``ledger-unavailable``); raise it on a host whose CPUs are saturated.
     redis_timeout: float = DEFAULT_REDIS_TIMEOUT
@@ -138,6 +143,21 @@ def _ledger_url(text: str) -> str | None:
     return text
 
 
+def _reserve(text: str) -> float | None:
+    """``strict``, ``learned`` (the default quantile) or a quantile in (0, 1]."""
+    if text.lower() == "strict":
+        return None
+    if text.lower() == "learned":
+        return DEFAULT_QUANTILE
+    try:
+        quantile = float(text)
+    except ValueError:
+        quantile = math.nan
+    if not 0 < quantile <= 1:
+        raise ValueError("expected strict, learned or a quantile in (0, 1]")
+    return quantile
+
+
 def _namespace(text: str) -> str:
     if not text or any(c.isspace() for c in text):
         raise ValueError("expected a non-empty name without spaces")
@@ -153,5 +173,6 @@ _PARSERS: dict[str, tuple[str, Callable[[str], object]]] = {
     "GPU_ASGI_LEDGER_URL": ("ledger_url", _ledger_url),
     "GPU_ASGI_LEDGER_NAMESPACE": ("namespace", _namespace),
     "GPU_ASGI_REDIS_TIMEOUT": ("redis_timeout", _number(float, 0.01, 60, "seconds from 0.01 to 60")),
+    "GPU_ASGI_RESERVE": ("quantile", _reserve),
     "GPU_ASGI_OVERSUBSCRIBE": ("oversubscribe", _number(float, 0.1, MAX_OVERSUBSCRIBE, f"a factor from 0.1 to {MAX_OVERSUBSCRIBE:g}")),
 }

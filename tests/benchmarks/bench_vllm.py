@@ -15,12 +15,22 @@ start together; the loads then run one server at a time, so that none shares the
   byte-seconds each was served (gpu_asgi's ``gpu_asgi_tenant_served_byte_seconds``);
 - deadlines: during an overload, requests with ``x-request-timeout: 1`` that the queue cannot
   meet: how fast gpu_asgi refuses them, and what vLLM alone does with them.
+
+``--section reservations`` (its own servers; docs/vllm.md, "What is reserved") compares what
+gpu_asgi reserves on two workloads, each BURST requests at once (a heavy tenant and a light one,
+5 to 1): answers that end early (``max_tokens`` 400, lengths geometric with mean 68, as answers
+that stop at EOS are; the same lengths for every server) and today's fixed lengths (``ignore_eos``,
+180 tokens). Rows: vLLM alone, ``strict``, learned at its default quantile and at two others, and
+strict with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5. Every server first serves the same WARMUP early-ending
+requests (a learned server starts strict: it has seen no answer yet).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +45,19 @@ LOAD = 40
 MAX_TOKENS = 180
 FACTORS = (1.25, 1.5, 2.0)
 LIGHT = ("light1", "light2", "light3", "light4")
+BURST = 48
+WARMUP = 32
+EARLY_MAX_TOKENS = 400
+MEAN_LENGTH = 68
+#: (row name, GPU_ASGI_* settings) of the reservations section; None: vLLM alone.
+RESERVE_ROWS: tuple[tuple[str, dict[str, str] | None], ...] = (
+    ("vLLM alone", None),
+    ("strict", {"GPU_ASGI_RESERVE": "strict"}),
+    ("learned 0.9 (default)", {}),
+    ("learned 0.75", {"GPU_ASGI_RESERVE": "0.75"}),
+    ("learned 0.97", {"GPU_ASGI_RESERVE": "0.97"}),
+    ("strict, oversubscribe x1.5", {"GPU_ASGI_RESERVE": "strict", "GPU_ASGI_OVERSUBSCRIBE": "1.5"}),
+)
 TENANT_WEIGHTS = ",".join(f"{name}=1" for name in ("heavy", *LIGHT))
 
 
@@ -212,12 +235,137 @@ async def run(args: argparse.Namespace, servers: Mapping[str, VLLMProcess]) -> N
         print(f"{name}: {await deadlines(servers[key])}")
 
 
+def early_lengths(count: int, seed: int) -> list[int]:
+    """``count`` answer lengths, geometric with mean MEAN_LENGTH (a stop chance of 1/68 per token),
+    below EARLY_MAX_TOKENS: the same list for the same seed."""
+    rng, stop = random.Random(seed), 1 / MEAN_LENGTH
+    return [min(EARLY_MAX_TOKENS - 1, math.ceil(math.log(1 - rng.random()) / math.log(1 - stop))) for _ in range(count)]
+
+
+@dataclass
+class Mixed:
+    name: str
+    preemptions: int
+    tokens_per_s: float
+    p50: float
+    p99: float
+    light_p99: float
+    completed: int
+    refused: int
+    seconds: float
+    mean_tokens: float
+
+
+async def mixed_burst(name: str, server: VLLMProcess, lengths: Sequence[int | None], max_tokens: int) -> Mixed:
+    """One request per entry of ``lengths``, all at once (None: run to ``max_tokens``); every sixth
+    is the light tenant's, the rest the heavy one's."""
+    before = preemptions(server.url)
+    limits = httpx.Limits(max_connections=len(lengths) + 8, max_keepalive_connections=len(lengths) + 8)
+    async with httpx.AsyncClient(base_url=server.url, timeout=900, limits=limits) as client:
+        started = time.monotonic()
+        calls = [
+            _server.complete(
+                client, max_tokens=max_tokens, headers={"x-tenant": "light" if i % 6 == 5 else "heavy"},
+                fields=None if length is None else _server.ends_at(length),
+            )
+            for i, length in enumerate(lengths)
+        ]
+        outcomes = await asyncio.gather(*calls)
+        seconds = time.monotonic() - started
+    done = [o for o in outcomes if o.status == 200]
+    light = [o.seconds for i, o in enumerate(outcomes) if i % 6 == 5 and o.status == 200]
+    return Mixed(
+        name, preemptions(server.url) - before, sum(o.completion_tokens for o in done) / seconds,
+        percentile([o.seconds for o in done], 0.5), percentile([o.seconds for o in done], 0.99),
+        percentile(light, 0.99), len(done), len(outcomes) - len(done), seconds,
+        sum(o.completion_tokens for o in done) / max(1, len(done)),
+    )
+
+
+def mixed_table(rows: Sequence[Mixed]) -> str:
+    alone = rows[0]
+    lines = [
+        "| server | completed tokens/s | vs alone | p50 s | p99 s | light p99 s | preemptions | completed | refused "
+        "| tokens/answer |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.name} | {r.tokens_per_s:.0f} | {r.tokens_per_s / alone.tokens_per_s:.2f}x | {r.p50:.1f} | "
+            f"{r.p99:.1f} | {r.light_p99:.1f} | {r.preemptions} | {r.completed} | {r.refused} | {r.mean_tokens:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def reservation_plot(early: Sequence[Mixed], fixed: Sequence[Mixed], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=False)
+    for ax, rows, title in ((axes[0], early, "answers that end early"), (axes[1], fixed, "fixed lengths (ignore_eos)")):
+        names = [r.name.replace(" (default)", "\n(default)").replace(", ", ",\n") for r in rows]
+        bars = ax.bar(range(len(rows)), [r.tokens_per_s for r in rows], color=["grey"] + ["tab:blue"] * (len(rows) - 1))
+        for bar, row in zip(bars, rows):
+            ax.annotate(f"{row.preemptions} pre.", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)), names, fontsize=7, rotation=30, ha="right")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("completed tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+async def reservations(args: argparse.Namespace, servers: Sequence[VLLMProcess]) -> None:
+    warm = early_lengths(WARMUP, seed=1)
+    for server in servers:  # the same history everywhere: every learned server has seen WARMUP answers
+        row = await mixed_burst("warm-up", server, warm, EARLY_MAX_TOKENS)
+        print(f"warm-up {server.name}: {row.completed} completed, {row.mean_tokens:.0f} tokens/answer, "
+              f"{row.preemptions} preemptions, {row.seconds:.1f} s", flush=True)
+    early_rows, fixed_rows = [], []
+    lengths = early_lengths(BURST, seed=2)
+    for (name, _), server in zip(RESERVE_ROWS, servers):
+        early_rows.append(await mixed_burst(name, server, lengths, EARLY_MAX_TOKENS))
+    for (name, _), server in zip(RESERVE_ROWS, servers):
+        fixed_rows.append(await mixed_burst(name, server, [None] * BURST, MAX_TOKENS))
+    print(f"## answers that end early: {BURST} requests at once, max_tokens {EARLY_MAX_TOKENS}, lengths mean "
+          f"{sum(lengths) / len(lengths):.0f} (geometric), heavy and light tenants 5:1\n")
+    print(mixed_table(early_rows))
+    print(f"\n## fixed lengths: {BURST} requests at once, {MAX_TOKENS} tokens each (ignore_eos)\n")
+    print(mixed_table(fixed_rows))
+    alone, strict, learned = early_rows[0], early_rows[1], early_rows[2]
+    print(f"\nearly, learned default: {learned.tokens_per_s / alone.tokens_per_s:.2f}x alone's tokens/s, "
+          f"preemptions {learned.preemptions} vs alone's {alone.preemptions}; strict {strict.tokens_per_s / alone.tokens_per_s:.2f}x")
+    falone, fstrict, flearned = fixed_rows[0], fixed_rows[1], fixed_rows[2]
+    print(f"fixed: strict {fstrict.tokens_per_s / falone.tokens_per_s:.2f}x with {fstrict.preemptions} preemptions; "
+          f"learned {flearned.tokens_per_s / fstrict.tokens_per_s:.2f}x strict's, {flearned.preemptions} preemptions")
+    if args.plot:
+        reservation_plot(early_rows, fixed_rows, args.plot)
+        print(f"plot: {args.plot}")
+
+
+def main_reservations(args: argparse.Namespace) -> None:
+    common = {"GPU_ASGI_MAX_WAIT": "600", "GPU_ASGI_TENANT_KEY": "header:x-tenant"}
+    started = [
+        _server.start(f"reserve-{i}", middleware=settings is not None, env={**common, **(settings or {})})
+        for i, (_, settings) in enumerate(RESERVE_ROWS)
+    ]
+    with _server.running(*started) as servers:
+        asyncio.run(reservations(args, servers))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", help="write the over-subscription plot (PNG) here")
     parser.add_argument("--tenant-seconds", type=float, default=40.0)
     parser.add_argument("--period", type=float, default=2.0, help="seconds between the tenants' sends")
+    parser.add_argument("--section", choices=("overload", "reservations"), default="overload",
+                        help="overload, tenants and deadlines (the default), or what is reserved")
     args = parser.parse_args()
+    if args.section == "reservations":
+        main_reservations(args)
+        return
     common = {"GPU_ASGI_MAX_WAIT": "600", "GPU_ASGI_TENANT_KEY": "header:x-tenant", "GPU_ASGI_TENANT_WEIGHTS": TENANT_WEIGHTS}
     started = [_server.start("alone", middleware=False), _server.start("gpu_asgi-1.0", middleware=True, env=common)]
     started += [

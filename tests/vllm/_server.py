@@ -174,12 +174,26 @@ class Outcome:
     body: Any = None
 
 
+#: A token id the early-ending answers stop at (any id of the vocabulary: the model has random weights).
+STOP_TOKEN = 100
+
+
+def ends_at(tokens: int) -> dict[str, Any]:
+    """Body fields that end an answer after ``tokens`` tokens, well before its ``max_tokens``, as an
+    answer that stops at EOS does: ``STOP_TOKEN`` is forbidden until then (``min_tokens``) and all
+    but certain after (a logit bias of 100), so the answer is ``tokens + 1`` tokens long."""
+    return {"ignore_eos": False, "min_tokens": tokens, "stop_token_ids": [STOP_TOKEN],
+            "logit_bias": {str(STOP_TOKEN): 100}}
+
+
 async def complete(
-    client: httpx.AsyncClient, *, max_tokens: int, headers: Mapping[str, str] | None = None, prompt: str | None = None
+    client: httpx.AsyncClient, *, max_tokens: int, headers: Mapping[str, str] | None = None, prompt: str | None = None,
+    fields: Mapping[str, Any] | None = None,
 ) -> Outcome:
-    """One ``/v1/completions`` request that runs to ``max_tokens`` (``ignore_eos``)."""
+    """One ``/v1/completions`` request that runs to ``max_tokens`` (``ignore_eos``), unless ``fields``
+    (more body fields, such as ``ends_at``'s) say otherwise."""
     body = {"model": MODEL_NAME, "prompt": prompt or prompt_text(), "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}
+            "temperature": 0, **(fields or {})}
     started = time.monotonic()
     response = await client.post("/v1/completions", json=body, headers=dict(headers or {}))
     seconds = time.monotonic() - started
