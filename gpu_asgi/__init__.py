@@ -114,8 +114,9 @@ _ALSO_PUBLIC: tuple[Any, ...] = (
 )
 _CONSTANTS = (DEFAULT_TENANT, MAX_PRIORITY, MIN_PRIORITY)
 
-#: Errors only the middleware ever sees (it answers them as problem+json; clients match on
-#: ``reason``). Importable from here for one more release, with a DeprecationWarning.
+#: Errors the middleware answers as problem+json (clients match on ``reason``); a direct caller of a
+#: ledger can also get two of them (``OverTenantQuota``, ``DeadlineUnmeetable``) and catches them
+#: as ``AdmissionRejected``. Importable from here for one more release, with a DeprecationWarning.
 _DEPRECATED_ERRORS = frozenset({
     "BodyError", "BodyTimeout", "BodyTooLarge", "ClientClosedRequest", "DeadlineUnmeetable", "DeviceMemoryLow",
     "DeviceProbeFailed", "InvalidField", "InvalidHeader", "InvalidJSON", "InvalidTenant", "OverTenantQuota",

@@ -108,7 +108,8 @@ def body(max_tokens: int = 400) -> dict[str, Any]:
     return {"prompt": "one two three four", "max_tokens": max_tokens}
 
 
-async def test_a_warm_route_reserves_the_prediction_and_learns_from_usage() -> None:
+async def reserved_per_request(lengths: OutputLengths | None, count: int) -> list[int]:
+    """What each of ``count`` requests held, each answered with 30 tokens of OpenAI ``usage``."""
     ledger = Ledger(10**6)
     held: list[int] = []
 
@@ -118,30 +119,23 @@ async def test_a_warm_route_reserves_the_prediction_and_learns_from_usage() -> N
         held.append(ledger.statistics().reserved_bytes)
         return JSONResponse({"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"completion_tokens": 30}})
 
-    lengths = OutputLengths(0.9, min_samples=4)
     async with client(app_with(ledger, lengths, completions)) as http:
-        for _ in range(5):
+        for _ in range(count):
             assert (await http.post("/v1/completions", json=body())).status_code == 200
+    assert ledger.statistics().reserved_bytes == 0
+    return held
+
+
+async def test_a_warm_route_reserves_the_prediction_and_learns_from_usage() -> None:
+    lengths = OutputLengths(0.9, min_samples=4)
+    held = await reserved_per_request(lengths, 5)
     assert held[:4] == [(4 + 400) * 10] * 4  # cold: prompt + max_tokens
     assert held[4] == (4 + 30) * 10  # warm: prompt + the learnt 30
     assert lengths.statistics()[0].samples == 5
-    assert ledger.statistics().reserved_bytes == 0
 
 
 async def test_strict_is_the_default_and_reserves_the_limit() -> None:
-    ledger = Ledger(10**6)
-    held: list[int] = []
-
-    @gpu_bound()
-    async def completions(request: Request) -> Response:
-        await request.body()
-        held.append(ledger.statistics().reserved_bytes)
-        return JSONResponse({"usage": {"completion_tokens": 30}})
-
-    async with client(app_with(ledger, None, completions)) as http:
-        for _ in range(20):
-            assert (await http.post("/v1/completions", json=body())).status_code == 200
-    assert set(held) == {(4 + 400) * 10}
+    assert set(await reserved_per_request(None, 20)) == {(4 + 400) * 10}
 
 
 def sse(events: list[dict[str, Any]]) -> list[bytes]:

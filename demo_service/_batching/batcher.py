@@ -36,7 +36,7 @@ from .forming import choose_batch
 from .jobs import Generation, SequenceState
 
 BATCH_SPAN = "demo_service.batch"
-#: Padding loans come before any route's requests; they are granted at once or not at all.
+#: Padding loans come before any route's requests, and wait BORROW_TIMEOUT seconds at most.
 BORROW_PRIORITY = MAX_PRIORITY
 BORROW_TIMEOUT = 0.05
 
@@ -259,7 +259,8 @@ class Batcher:
         return max((d.free_bytes for d in stats.devices if d.name == self.loaded.device), default=0)
 
     async def _borrow(self, nbytes: int) -> Reservation | None:
-        """Padding bytes for a batch of already-admitted requests, ahead of the queue, only if free now.
+        """Padding bytes for a batch of already-admitted requests, ahead of the queue, if they come
+        free within ``BORROW_TIMEOUT`` (else None: the batch is formed without padding).
 
         They are reserved at the highest priority: admitted requests that batch together give
         their own bytes back sooner, which is what the queue is waiting for.
