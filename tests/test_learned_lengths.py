@@ -272,3 +272,43 @@ async def test_what_was_learnt_shows_in_health_and_metrics() -> None:
     assert float(grown.split()[-1]) > 0
     share = next(line for line in text.splitlines() if line.startswith("gpu_asgi_reserved_output_share_sum"))
     assert float(share.split()[-1]) == pytest.approx(10 / 400)
+
+
+@pytest.mark.parametrize(
+    ("answer", "media_type", "tokens", "censored"),
+    [
+        # chat, streamed with include_usage: the last event's usage counts, not the events
+        ([{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+         + [{"choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}]}] * 5
+         + [{"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}],
+         "text/event-stream", 7, 0),
+        # responses, streamed: its deltas, then response.completed with usage.output_tokens
+        ([{"type": "response.created", "response": {"usage": None}}]
+         + [{"type": "response.output_text.delta", "delta": "t"}] * 3
+         + [{"type": "response.completed", "response": {"status": "completed", "usage": {"output_tokens": 9}}}],
+         "text/event-stream", 9, 0),
+        # responses, one JSON body cut by its limit
+        ({"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}, "usage": {"output_tokens": 12}},
+         "application/json", 12, 1),
+        # chat, one JSON body with two choices (n=2 is asked below): tokens per sequence
+        ({"choices": [{"finish_reason": "stop"}, {"finish_reason": "stop"}], "usage": {"completion_tokens": 20}},
+         "application/json", 10, 0),
+    ],
+)
+async def test_openai_shapes_are_metered(answer: Any, media_type: str, tokens: int, censored: int) -> None:
+    ledger = Ledger(10**6)
+    lengths = OutputLengths(0.5, min_samples=1)
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+        if media_type == "application/json":
+            return JSONResponse(answer)
+        return StreamingResponse(iter([f"data: {json.dumps(e)}\n\n".encode() for e in answer]), media_type=media_type)
+
+    n = 2 if isinstance(answer, dict) and len(answer.get("choices", ())) == 2 else 1
+    async with client(app_with(ledger, lengths, completions)) as http:
+        assert (await http.post("/v1/completions", json={**body(), "n": n})).status_code == 200
+    (row,) = lengths.statistics()
+    assert (row.samples, row.censored) == (1, censored)
+    assert row.predicted_tokens == (None if censored else tokens)
