@@ -180,9 +180,11 @@ class Gate:
             if keys:
                 tenant = find_tenant(keys, scope, request.data)  # type: ignore[arg-type]  # a tuple since RouteSpec.__post_init__
                 label = tenant_label(tenant, self.tenant_labels)
-            lengths, reserved_tokens = self.output_lengths, None
+            # Learned lengths: the prediction (None: strict, the limit), keyed by route and tenant.
+            lengths, reserved_tokens, route, learner = self.output_lengths, None, "", None
             if lengths is not None:
-                reserved_tokens = lengths.predict(max_new_tokens, route_name(scope), tenant if keys else None)
+                route, learner = route_name(scope), (tenant if keys else None)
+                reserved_tokens = lengths.predict(max_new_tokens, route, learner)
             covered = max_new_tokens if reserved_tokens is None else reserved_tokens
             nbytes = estimator.estimate(prompt_tokens, covered, batch, sampling=request.sampling)
         except GPUAdmissionError as error:
@@ -198,8 +200,7 @@ class Gate:
         if lengths is not None and reserved_tokens is not None:
             meter = UsageMeter(
                 lengths, estimator, reservation, prompt_tokens=prompt_tokens, reserved_tokens=reserved_tokens,
-                limit=max_new_tokens, batch=batch, route=route_name(scope), tenant=tenant if keys else None,
-                metrics=self.metrics,
+                limit=max_new_tokens, batch=batch, route=route, tenant=learner, metrics=self.metrics,
             )
             if self.metrics is not None:
                 self.metrics.record_learned(reserved_tokens, max_new_tokens)

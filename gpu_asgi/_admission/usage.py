@@ -34,8 +34,7 @@ class UsageMeter:
 
     __slots__ = (
         "_batch", "_body", "_covered", "_ended", "_estimator", "_events", "_lengths", "_limit", "_metrics", "_prompt",
-        "_reservation", "_route", "_status", "_stream", "_tail", "_tenant", "_truncated", "_usage", "grown_bytes",
-        "tokens",
+        "_reservation", "_route", "_status", "_stream", "_tail", "_tenant", "_truncated", "_usage", "tokens",
     )
 
     def __init__(
@@ -63,8 +62,6 @@ class UsageMeter:
         self._ended = False
         #: Tokens per sequence so far (the most any endpoint or stream has reported).
         self.tokens = 0
-        #: Bytes the reservation grew by, in all.
-        self.grown_bytes = 0
 
     # -- what an endpoint reports itself --------------------------------------------------
 
@@ -86,7 +83,6 @@ class UsageMeter:
         self._covered = min(self._limit, self.tokens + step)
         needed = self._estimator.estimate(self._prompt, self._covered, self._batch)
         grown = self._reservation.grow(needed)
-        self.grown_bytes += grown
         if self._metrics is not None:
             self._metrics.record_growth(grown)
         return grown

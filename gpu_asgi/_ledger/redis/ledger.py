@@ -450,7 +450,8 @@ class RedisLedger(LedgerBase):
 
     def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
         """Take back ``nbytes`` of ``reservation``: Redis is told what it keeps (its ``nbytes`` now),
-        an absolute amount, so releases that land late or out of order never give bytes back twice."""
+        an absolute amount, sent after every earlier change of the lease (``Upkeep.release``), so a
+        retried call never gives bytes back twice."""
         on_ledger_thread(self._upkeep.loop, self._upkeep.thread, self._returned, reservation, reservation.nbytes, finished)
 
     def grow(self, reservation: Reservation, nbytes: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -245,11 +246,15 @@ class Upkeep:
     def release(self, rid: str, keep: int, finished: bool) -> None:
         """Tell Redis what lease ``rid`` keeps now (a shrink, a grow, or its end), after every
         earlier change of it: the amounts are absolute, so they must land in the order made."""
-        before = self._changing.get(rid)
-        task = self.spawn(self._release(rid, keep, finished, before))
+        task = self.spawn(self._release(rid, keep, finished, self._changing.get(rid)))
         if task is not None:
             self._changing[rid] = task
-            task.add_done_callback(lambda done: self._changing.pop(rid, None) if self._changing.get(rid) is done else None)
+            task.add_done_callback(functools.partial(self._changed, rid))
+
+    def _changed(self, rid: str, task: asyncio.Task[None]) -> None:
+        """Forget lease ``rid``'s last change once it has landed, unless a later one follows it."""
+        if self._changing.get(rid) is task:
+            del self._changing[rid]
 
     async def _release(self, rid: str, keep: int, finished: bool, before: asyncio.Task[None] | None) -> None:
         restoring = self._restoring.get(rid)
