@@ -22,6 +22,7 @@ from gpu_asgi import (
     HFTokenCounter,
     Lifecycle,
     NoDeviceProbe,
+    OutputLengths,
     ThermalPolicy,
     auto_probe,
     budget_bytes,
@@ -121,16 +122,21 @@ def create_app(
     )
     app.state.service = service
     app.state.lifecycle = lifecycle
+    quantile = settings.reserve_quantile
+    # Learned lengths: safe here because the batcher grows a batch before it decodes past them.
+    lengths = None if quantile is None else OutputLengths(quantile=quantile)
     app.include_router(generate_router(service))
     app.include_router(openai_router(service))
     app.router.routes.extend(
         health_router(
-            ledger, sampler=sampler, thermal=thermal, metrics=metrics, lifecycle=lifecycle, drain_path="/health/drain"
+            ledger, sampler=sampler, thermal=thermal, metrics=metrics, lifecycle=lifecycle, drain_path="/health/drain",
+            output_lengths=lengths,
         ).routes
     )
     install_problem_handlers(app)
     app.add_middleware(
         GPUAdmissionMiddleware,
+        output_lengths=lengths,
         ledger=ledger,
         estimator=estimator,
         token_counter=HFTokenCounter(loaded.tokenizer),

@@ -58,7 +58,9 @@ class DemoService:
         stop: tuple[str, ...] = (),
         stream: bool = False,
     ) -> Generation:
-        """Queue the request for a batch with exactly what gpu_asgi admitted (``max_new_tokens``, bytes)."""
+        """Queue the request for a batch with exactly what gpu_asgi admitted (``max_new_tokens``, bytes,
+        and with learned lengths the tokens those bytes cover: the batcher grows past them itself)."""
+        admission.endpoint_grows()
         return self.batcher.submit(
             prompts,
             max_new_tokens=admission.max_new_tokens,
@@ -67,6 +69,8 @@ class DemoService:
             stop=stop,
             reserved_bytes=admission.estimated_bytes,
             stream=stream,
+            reserved_tokens=admission.reserved_tokens,
+            reservation=admission.reservation,
         )
 
 

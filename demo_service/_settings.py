@@ -103,6 +103,12 @@ class DemoSettings(BaseSettings):
         description="On SIGTERM: seconds between the drain (readiness 503, new GPU requests refused) and the "
         "server closing its listener, so load balancers see the replica go first.",
     )
+    reserve: str = Field(
+        default="strict",
+        description="What a request reserves: 'strict' (prompt + max_tokens: no batch ever waits to grow), "
+        "'learned' (prompt + the 0.9 quantile of the lengths answers really had; a batch that runs past it "
+        "pauses for the bytes) or a quantile in (0, 1).",
+    )
     max_new_tokens_cap: int = Field(
         default=1024, ge=1, description="Largest max_tokens / max_new_tokens a request may ask for."
     )
@@ -123,10 +129,34 @@ class DemoSettings(BaseSettings):
         default=False, description="Export spans with OTLP, configured by the standard OTEL_* variables."
     )
 
+    @property
+    def reserve_quantile(self) -> float | None:
+        """The quantile of learned lengths that requests reserve; None: strict."""
+        return _reserve_quantile(self.reserve)
+
     @model_validator(mode="after")
     def _check(self) -> DemoSettings:
+        _reserve_quantile(self.reserve)
         if self.default_max_new_tokens > self.max_new_tokens_cap:
             raise ValueError("default_max_new_tokens must not exceed max_new_tokens_cap")
         if self.int8 and self.device.startswith("cuda"):
             raise ValueError("int8 is CPU-only; on CUDA load an AWQ checkpoint instead")
         return self
+
+
+#: ``reserve=learned``: what ``gpu_asgi.OutputLengths`` reserves by default.
+LEARNED_QUANTILE = 0.9
+
+
+def _reserve_quantile(text: str) -> float | None:
+    if text == "strict":
+        return None
+    if text == "learned":
+        return LEARNED_QUANTILE
+    try:
+        quantile = float(text)
+    except ValueError:
+        quantile = -1.0
+    if not 0 < quantile < 1:
+        raise ValueError(f"reserve must be 'strict', 'learned' or a quantile in (0, 1), got {text!r}")
+    return quantile

@@ -12,21 +12,41 @@ under load batches fill without waiting for the window at all.
 Every request's bytes stay reserved (by the middleware) until its batch has left the device: a
 non-streamed result is handed out only then, and a stream sends ``[DONE]`` when its sequences end
 but closes only when the batch ends (see ``_service.py``).
+
+Learned lengths (``DEMO_RESERVE=learned``): a request reserves the new tokens its answer will
+likely need, not its limit. Its batch is costed at those; before the device decodes a step the
+batch's bytes do not cover, the device thread pauses while the batch borrows the bytes for the next
+stretch from the ledger (ahead of the queue, ``GROWTH_PRIORITY``). Nothing is decoded on bytes
+nobody holds, so an OOM stays impossible. Requests admitted and still queued here hold bytes the
+device does not use yet: when the ledger has none free, the running batch takes them from the
+youngest of those (``Generation.lend``), and each gets them back before its own batch starts. A
+batch that cannot grow within the ledger's ``max_wait`` ends there: its unfinished answers end
+with ``finish_reason: length`` (docs/demo.md, "Learned lengths").
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 from opentelemetry import trace
 from opentelemetry.trace import TracerProvider
 
-from gpu_asgi import MAX_PRIORITY, AdmissionRejected, BudgetLedger, DeviceExecutor, Reservation, gpu_phase
+from gpu_asgi import (
+    MAX_PRIORITY,
+    AdmissionRejected,
+    BudgetLedger,
+    DeviceExecutor,
+    QueueFull,
+    Reservation,
+    gpu_phase,
+)
 
 from .._metrics import DemoMetrics
 from .._model.load import LoadedModel
@@ -39,6 +59,10 @@ BATCH_SPAN = "demo_service.batch"
 #: Padding loans come before any route's requests, and wait BORROW_TIMEOUT seconds at most.
 BORROW_PRIORITY = MAX_PRIORITY
 BORROW_TIMEOUT = 0.05
+#: A running batch's growth comes before everything: the device is waiting for it.
+GROWTH_PRIORITY = MAX_PRIORITY
+#: A batch grows by at least this many tokens per row at a time, and by a quarter of what it has.
+GROWTH_STEP = 16
 
 logger = logging.getLogger("demo_service.batching")
 
@@ -89,6 +113,9 @@ class Batcher:
         self.batch_sizes: deque[int] = deque(maxlen=10_000)
         self.tokens_generated = 0
         self._running = False
+        #: The batch on the device: the bytes it holds and the rows' prompt lengths (benchmarks check
+        #: each step against them).
+        self.current: RunningBatch | None = None
 
     @property
     def idle(self) -> bool:
@@ -110,6 +137,8 @@ class Batcher:
         stop: Sequence[str] = (),
         reserved_bytes: int = 0,
         stream: bool = False,
+        reserved_tokens: int | None = None,
+        reservation: Reservation | None = None,
     ) -> Generation:
         """Queue ``n`` sequences per prompt; choice ``i * n + j`` is prompt ``i``'s ``j``-th sequence."""
         if self._task is None or self._task.done():
@@ -124,6 +153,8 @@ class Batcher:
             tokenizer=self.loaded.tokenizer,
             incremental=stream,
             link=trace.get_current_span().get_span_context(),
+            reserved_tokens=reserved_tokens,
+            reservation=reservation,
         )
         self._pending.append(generation)
         self._pending_rows += len(generation.sequences)
@@ -203,15 +234,21 @@ class Batcher:
             if remaining > 0 and self._pending_rows < self.max_batch_size:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._full.wait(), remaining)
-            loan: Reservation | None = None
+            loans: list[Reservation] = []
             try:
                 batch, missing = self._choose(self._spare_bytes())
                 loan = await self._borrow(missing) if missing else None
                 if missing and loan is None:  # the bytes went elsewhere meanwhile: pad nothing
-                    batch, _ = self._choose(0)
+                    batch, missing = self._choose(0)
+                    # What is still missing was taken by a batch that had to grow: it must come back.
+                    loan = await self._acquire(missing, keep=batch) if missing else None
+                    if missing and loan is None:
+                        continue  # nothing came free within max_wait: the requests wait on
+                if loan is not None:
+                    loans.append(loan)
             except Exception as exc:
                 logger.exception("the batcher could not form a batch; failing the requests waiting for one")
-                if loan is not None:
+                for loan in loans:
                     loan.release()
                 self._fail_pending(BatchFormingFailed(f"no batch could be formed ({type(exc).__name__}: {exc})"))
                 continue
@@ -219,13 +256,13 @@ class Batcher:
             self._running = bool(batch)
             try:
                 if batch:
-                    await self._execute(batch)
+                    await self._execute(batch, loans)
             finally:
                 self._running = False
-                if loan is not None:  # the batch has left the device
+                for loan in loans:  # the batch has left the device
                     loan.release()
-                    if self.metrics is not None:
-                        self.metrics.borrowed_bytes.inc(loan.requested_bytes)
+                if loans and self.metrics is not None:
+                    self.metrics.borrowed_bytes.inc(sum(loan.requested_bytes for loan in loans))
 
     def _fail_pending(self, error: BaseException) -> None:
         failed = list(self._pending)
@@ -235,7 +272,15 @@ class Batcher:
 
     def _choose(self, spare: int) -> tuple[list[Generation], int]:
         pending = [g for g in self._pending if not g.cancelled]
-        return choose_batch(pending, max_batch_size=self.max_batch_size, estimator=self.estimator, spare=spare)
+        return choose_batch(
+            pending, max_batch_size=self.max_batch_size, estimator=self.estimator, spare=spare,
+            capacity=self._capacity(),
+        )
+
+    def _capacity(self) -> int | None:
+        if self.ledger is None:
+            return None
+        return max((d.capacity_bytes for d in self.ledger.statistics().devices if d.name == self.loaded.device), default=None)
 
     def _remove(self, batch: list[Generation]) -> None:
         taken = set(map(id, batch))
@@ -274,13 +319,91 @@ class Batcher:
         except AdmissionRejected:
             return None
 
-    async def _execute(self, batch: list[Generation]) -> None:
+    async def _acquire(self, nbytes: int, *, keep: list[Generation]) -> Reservation | None:
+        """``nbytes`` for the batch that ``keep`` is (running, or about to run), waiting for them:
+        asked of the ledger ahead of the queue, and when they do not come at once, taken from the
+        youngest requests queued here (not in ``keep``). None when nothing came within the
+        ledger's ``max_wait``."""
+        if self.ledger is None:
+            return None
+        asked = asyncio.ensure_future(
+            self.ledger.reserve(nbytes, devices=(self.loaded.device,), priority=GROWTH_PRIORITY)
+        )
+        # Asked first, then taken: bytes a queued request gives up go to this loan, not to the queue.
+        await asyncio.wait((asked,), timeout=BORROW_TIMEOUT)
+        if not asked.done():
+            self._take_from_queued(nbytes, keep)
+        try:
+            return await asked
+        except QueueFull:
+            pass  # a full queue refuses even a loan: free the bytes first, and ask again
+        except AdmissionRejected:
+            return None
+        self._take_from_queued(nbytes, keep)
+        try:
+            return await self.ledger.reserve(nbytes, devices=(self.loaded.device,), priority=GROWTH_PRIORITY)
+        except AdmissionRejected:
+            return None
+
+    def _take_from_queued(self, nbytes: int, keep: list[Generation]) -> int:
+        kept = set(map(id, keep))
+        taken = 0
+        for generation in reversed(self._pending):
+            if taken >= nbytes:
+                break
+            if id(generation) not in kept:
+                taken += generation.lend(nbytes - taken)
+        return taken
+
+    async def _grow(self, batch: list[Generation], run: RunningBatch, produced: int) -> int:
+        """The steps the batch may decode now that it has ``produced``: more, once it has borrowed
+        the bytes for them; ``produced`` when it could not (the batch stops there)."""
+        assert self.estimator is not None
+        target = min(run.limit, produced + max(GROWTH_STEP, produced // 4))
+        needed = self.estimator.batch_bytes(run.prompts, [target]) - run.covered_bytes
+        if needed <= 0:
+            return target
+        started = time.perf_counter()
+        loan = await self._acquire(needed, keep=batch)
+        if self.metrics is not None:
+            self.metrics.growth_wait.observe(time.perf_counter() - started)
+        if loan is None:
+            logger.warning("a batch could not grow past %d tokens within max_wait; its answers end there", produced)
+            if self.metrics is not None:
+                self.metrics.growth_denied.inc()
+            return produced
+        run.loans.append(loan)
+        run.covered_bytes += needed
+        if self.metrics is not None:
+            self.metrics.growth_bytes.inc(needed)
+        return target
+
+    def _grower(self, batch: list[Generation], run: RunningBatch) -> Callable[[int], int]:
+        loop = asyncio.get_running_loop()
+        # The ledger's reserve waits max_wait at most, and once more after a full queue refused it.
+        limit = 2 * getattr(self.ledger, "max_wait", 30.0) + 5.0
+
+        def grow(produced: int) -> int:  # on the device thread, which waits for the bytes
+            future = asyncio.run_coroutine_threadsafe(self._grow(batch, run, produced), loop)
+            try:
+                return future.result(timeout=limit)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, RuntimeError):
+                future.cancel()
+                return produced
+
+        return grow
+
+    async def _execute(self, batch: list[Generation], loans: list[Reservation]) -> None:
         slots: list[tuple[Generation, SequenceState]] = [(g, s) for g in batch for s in g.sequences]
         plan = BatchPlan(
             [s.prompt_ids for _, s in slots],
             [g.max_new_tokens for g, _ in slots],
             batch[0].sampling,
         )
+        run = RunningBatch(plan, sum(g.held_bytes for g in batch) + sum(loan.requested_bytes for loan in loans), loans)
+        if self.estimator is not None and any(g.reserved_tokens < g.max_new_tokens for g in batch):
+            plan.covered = _steps_covered(self.estimator, run)
+            plan.grow = self._grower(batch, run)
         offset = 0
         for generation in batch:
             generation._start(plan, offset, len(slots))
@@ -294,19 +417,23 @@ class Batcher:
         def on_step(tokens: list[int]) -> None:  # on the device thread
             loop.call_soon_threadsafe(self._on_step, slots, tokens)
 
+        self.current = run
         links = [trace.Link(g.link) for g in batch if g.link.is_valid]
         attributes: dict[str, Any] = {"gpu_asgi.batch_size": len(slots), "demo_service.requests": len(batch)}
         try:
             with self._tracer.start_as_current_span(BATCH_SPAN, links=links, attributes=attributes):
                 await self._executor.run(run_batch, self.loaded, plan, on_step)
         except asyncio.CancelledError:
+            self.current = None
             for generation in batch:
                 generation._fail(RuntimeError("the service is shutting down"))
             raise
         except Exception as exc:  # whatever failed, the batch's requests are told
+            self.current = None
             for generation in batch:
                 generation._fail(exc)
             return
+        self.current = None
         for generation in batch:
             generation._device_finished()
             if self.metrics is not None and generation.time_to_first_token is not None:
@@ -321,3 +448,29 @@ class Batcher:
         self.tokens_generated += generated
         if self.metrics is not None and generated:
             self.metrics.generated_tokens.inc(generated)
+
+
+class RunningBatch:
+    """A running batch's accounts: the bytes it holds (its requests' and its loans) and the steps
+    those cover."""
+
+    __slots__ = ("covered_bytes", "limit", "loans", "prompts")
+
+    def __init__(self, plan: BatchPlan, covered_bytes: int, loans: list[Reservation]) -> None:
+        self.prompts = [len(p) for p in plan.prompts]
+        self.limit = max(plan.max_new_tokens)
+        self.covered_bytes = covered_bytes
+        self.loans = loans
+
+
+def _steps_covered(estimator: BucketedEstimator, run: RunningBatch) -> int:
+    """The most decoding steps whose padded batch the bytes held cover (a binary search: bytes grow
+    with steps)."""
+    low, high = 0, run.limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        if estimator.batch_bytes(run.prompts, [middle]) <= run.covered_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -58,6 +58,11 @@ class BatchPlan:
     sampling: Sampling
     #: Set by the event loop (a plain list of bools: reads and writes are atomic under the GIL).
     halted: list[bool] = field(default_factory=list)
+    #: Learned lengths: the steps the batch's bytes cover (None: all of them) and, called on the
+    #: device thread before a step past them, what makes room for more (it blocks until the bytes
+    #: are held) and returns the steps covered then; no more than it was given: the batch stops.
+    covered: int | None = None
+    grow: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompts or len(self.prompts) != len(self.max_new_tokens):
@@ -89,9 +94,11 @@ class _StepStreamer(BaseStreamer):
 
 
 class _RowStopper(StoppingCriteria):
-    """Per-row stop: the row's own ``max_new_tokens``, or a flag raised by the event loop."""
+    """Per-row stop: the row's own ``max_new_tokens``, or a flag raised by the event loop; and the
+    whole batch's, when it may not grow past the steps its bytes cover."""
 
     def __init__(self, plan: BatchPlan) -> None:
+        self._plan = plan
         self._width = plan.width
         self._limits = plan.max_new_tokens
         self._halted = plan.halted
@@ -99,6 +106,12 @@ class _RowStopper(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         produced = input_ids.shape[1] - self._width
         done = [halted or produced >= limit for halted, limit in zip(self._halted, self._limits)]
+        plan = self._plan
+        # Called before the next step's forward pass, which is what allocates: grow first, or stop.
+        if plan.covered is not None and produced >= plan.covered and not all(done) and plan.grow is not None:
+            plan.covered = plan.grow(produced)
+            if plan.covered <= produced:
+                done = [True] * len(done)
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
 
 

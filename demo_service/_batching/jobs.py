@@ -15,6 +15,8 @@ from typing import Any
 
 from opentelemetry.trace import SpanContext
 
+from gpu_asgi import Reservation
+
 from .decode import SequenceText
 from .device_run import BatchPlan, Sampling
 
@@ -63,6 +65,8 @@ class Generation:
         tokenizer: Any,
         incremental: bool,
         link: SpanContext,
+        reserved_tokens: int | None = None,
+        reservation: Reservation | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.sequences = [
@@ -75,6 +79,14 @@ class Generation:
         self.max_new_tokens = max_new_tokens
         self.sampling = sampling
         self.reserved_bytes = reserved_bytes
+        #: New tokens per sequence the reservation covers: ``max_new_tokens`` (strict) or the
+        #: learned prediction; a batch grows past it with bytes it waits for (``Batcher``).
+        self.reserved_tokens = max_new_tokens if reserved_tokens is None else min(reserved_tokens, max_new_tokens)
+        #: The request's own reservation: a running batch that must grow may take bytes from a
+        #: request still queued here (its batch is not on the device yet) ...
+        self.reservation = reservation
+        #: ... and these are the bytes taken, which its batch gets back before it starts.
+        self.owed = 0
         self.link = link
         self.created = loop.time()
         #: Rows in the ``generate`` call that ran this request (0 until it starts).
@@ -95,6 +107,22 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return sum(s.completion_tokens for s in self.sequences)
+
+    @property
+    def held_bytes(self) -> int:
+        """What its reservation holds now: what it reserved, less what a running batch took."""
+        return self.reserved_bytes - self.owed
+
+    def lend(self, nbytes: int) -> int:
+        """Give up to ``nbytes`` of a queued request's reservation to a running batch (see
+        ``owed``); returns the bytes given."""
+        if self.reservation is None or self._plan is not None or self.cancelled:
+            return 0
+        given = min(nbytes, self.held_bytes)
+        if given > 0:
+            self.owed += given
+            self.reservation.shrink(self.held_bytes)
+        return given
 
     @property
     def complete(self) -> bool:

@@ -92,6 +92,14 @@ class Admission:
         meter = self._meter
         return 0 if meter is None else meter.report(tokens, done=done, truncated=truncated)
 
+    def endpoint_grows(self) -> None:
+        """Say that the endpoint makes room for tokens past :attr:`reserved_tokens` itself, before it
+        decodes them (with bytes it reserves from the ledger and waits for, as the demo's batcher
+        does): admission then never grows this reservation, and still learns the answer's length.
+        Does nothing for a request admitted strictly."""
+        if self._meter is not None:
+            self._meter.endpoint_grows = True
+
     def report_peak_bytes(self, nbytes: int) -> None:
         """Report the request's measured peak bytes: to the estimate-versus-actual metric, and to
         the estimator when it learns (an ``observe`` method, as ``CalibratedEstimator`` has)."""

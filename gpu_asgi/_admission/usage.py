@@ -34,7 +34,8 @@ class UsageMeter:
 
     __slots__ = (
         "_batch", "_body", "_covered", "_ended", "_estimator", "_events", "_lengths", "_limit", "_metrics", "_prompt",
-        "_reservation", "_route", "_status", "_stream", "_tail", "_tenant", "_truncated", "_usage", "tokens",
+        "_reservation", "_route", "_status", "_stream", "_tail", "_tenant", "_truncated", "_usage", "endpoint_grows",
+        "tokens",
     )
 
     def __init__(
@@ -62,6 +63,9 @@ class UsageMeter:
         self._ended = False
         #: Tokens per sequence so far (the most any endpoint or stream has reported).
         self.tokens = 0
+        #: The endpoint makes room for its answer itself (``Admission.endpoint_grows``): lengths are
+        #: still learnt, the reservation is never grown here.
+        self.endpoint_grows = False
 
     # -- what an endpoint reports itself --------------------------------------------------
 
@@ -72,7 +76,7 @@ class UsageMeter:
         bytes the reservation grew by now."""
         if tokens > self.tokens:
             self.tokens = tokens
-        grown = self._grow() if self.tokens > self._covered else 0
+        grown = self._grow() if self.tokens > self._covered and not self.endpoint_grows else 0
         if done:
             self._truncated = self._truncated or truncated
             self._learn()
