@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import redis
@@ -38,8 +38,10 @@ def _server_version() -> tuple[int, ...]:
 class RedisServer:
     """``redis-server --port N --save '' --appendonly no``; stop and start again on the same port."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, args: Sequence[str] = ()) -> None:
         self.port = port or free_port()
+        #: More ``redis-server`` arguments (``--replicaof``, ``--dir``, ...).
+        self.args = list(args)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -51,6 +53,7 @@ class RedisServer:
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         if _server_version() >= (7, 0):
             args += ["--enable-debug-command", "local"]  # DEBUG SLEEP plays a slow Redis
+        args += self.args
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
@@ -64,6 +67,13 @@ class RedisServer:
     def stop(self) -> None:
         if self.process is not None:
             self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, as in a crash, its unreplicated writes with it."""
+        if self.process is not None:
+            self.process.kill()
             self.process.wait(10)
             self.process = None
 

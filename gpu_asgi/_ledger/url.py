@@ -10,13 +10,13 @@ from .fair_share import DEFAULT_TENANT_IDLE_TTL
 from .memory import Ledger
 from .tenants import DEFAULT_POLICY, TenantPolicy
 
-REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel"})
 #: ``RedisLedger``'s own options: how to reach Redis and what to do while it is away. They configure
 #: no part of the in-process ledger (there is no connection), so a ``memory://`` URL accepts and
 #: leaves them, and one call serves both configurations (docs/deployment.md).
 REDIS_CONNECTION_OPTIONS = frozenset(
     {"namespace", "lease_ttl", "heartbeat", "poll_interval", "notify", "redis_timeout", "max_connections",
-     "on_unavailable", "local_share"}
+     "on_unavailable", "local_share", "replicas"}
 )  # fmt: skip
 
 
@@ -33,8 +33,9 @@ def ledger_from_url(
     **redis_options: Any,
 ) -> BudgetLedger:
     """``None``, ``""`` or ``memory://`` → :class:`Ledger` (this process only, the default);
-    ``redis://``, ``rediss://`` or ``unix://`` → :class:`~gpu_asgi.RedisLedger`, shared by every
-    process on the same namespace (needs ``gpu_asgi[redis]``).
+    ``redis://``, ``rediss://``, ``unix://`` or Sentinel's ``redis+sentinel://host:26379,...
+    /service[/db]`` (``rediss+sentinel://`` for TLS) → :class:`~gpu_asgi.RedisLedger`, shared by
+    every process on the same namespace (needs ``gpu_asgi[redis]``).
 
     Every option that decides admission (the queue's bounds, the tenants' weights, quotas and
     idle time) goes to either ledger by name, so one configuration admits alike on both.
@@ -58,7 +59,9 @@ def ledger_from_url(
     if scheme == "memory":
         return Ledger(capacity, **shared)
     if scheme not in REDIS_SCHEMES:
-        raise ValueError(f"unknown ledger URL scheme {scheme!r}: use memory://, redis://, rediss:// or unix://")
+        raise ValueError(
+            f"unknown ledger URL scheme {scheme!r}: use memory://, redis://, rediss://, unix:// or redis+sentinel://"
+        )
     from .redis.ledger import RedisLedger  # redis is an optional extra: imported only when asked for
 
     return RedisLedger(url or "", capacity, **shared, **redis_options)

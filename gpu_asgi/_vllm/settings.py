@@ -139,7 +139,7 @@ def _ledger_url(text: str) -> str | None:
     if not text or scheme == "memory":
         return None
     if scheme not in REDIS_SCHEMES:
-        raise ValueError("expected redis://, rediss://, unix:// or memory://")
+        raise ValueError("expected redis://, rediss://, unix://, redis+sentinel:// or memory://")
     return text
 
 

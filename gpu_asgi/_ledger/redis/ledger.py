@@ -29,9 +29,7 @@ import warnings
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import ClassVar, Literal, Self, TypeVar
 
-from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import ConnectionPool, Redis
 
 from ..._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
 from ..common import LedgerBase, on_ledger_thread
@@ -49,6 +47,7 @@ from ..contract import (
 from ..fair_share import DEFAULT_TENANT_IDLE_TTL
 from ..memory import Ledger
 from ..tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
+from .connect import is_sentinel_url, redis_client
 from .scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
 from .upkeep import RETRIES, Upkeep, cancels
 
@@ -75,7 +74,8 @@ SLOW = ("waiting", "")
 class RedisLedger(LedgerBase):
     """Byte budgets shared through Redis by every process that uses the same ``namespace``.
 
-    ``redis`` is a URL (``redis://host:6379/0``, ``rediss://``, ``unix://``) or a
+    ``redis`` is a URL (``redis://host:6379/0``, ``rediss://``, ``unix://``, or Sentinel's
+    ``redis+sentinel://host:26379,host2:26379/service/0``: ``connect``) or a
     ``redis.asyncio.Redis`` client. One ledger per process and event loop; call
     ``await ledger.aclose()`` on shutdown (or use ``async with``). A client made from a URL
     has a blocking pool of ``max_connections``: a burst of admissions waits its turn for a
@@ -86,6 +86,10 @@ class RedisLedger(LedgerBase):
     every process sharing the namespace must configure the same tenants (the weights and quotas
     travel with each call, so processes that disagree decide by different rules). Time is the
     Redis server's ``TIME``.
+
+    ``replicas``: a grant is used only once that many replicas have it (``WAIT``), so a failover
+    cannot lose it (None: 1 for a ``redis+sentinel://`` URL, else 0); a failover also pauses
+    grants while every worker puts back what the new primary lacks (docs/deployment.md, "Failover").
     """
 
     #: The scripts' caller; a test may give a subclass a variant (tests/_redis.py: a fake clock).
@@ -111,6 +115,7 @@ class RedisLedger(LedgerBase):
         tenants: Mapping[str, TenantPolicy] | None = None,
         default_tenant_policy: TenantPolicy = DEFAULT_POLICY,
         tenant_idle_ttl: float = DEFAULT_TENANT_IDLE_TTL,
+        replicas: int | None = None,
     ) -> None:
         super().__init__(
             capacity,
@@ -136,7 +141,12 @@ class RedisLedger(LedgerBase):
                 "on_unavailable='local' needs local_share in (0, 1]: the part of each budget one process may "
                 "use alone, at most 1 / the number of processes sharing the GPU"
             )
+        if replicas is not None and replicas < 0:
+            raise ValueError("replicas must be >= 0")
         self.namespace = namespace
+        #: A grant is used only once this many replicas have it (``WAIT``): a failover cannot lose
+        #: it then. None: 1 behind Sentinel (a ``redis+sentinel://`` URL), else 0.
+        self.replicas = (1 if isinstance(redis, str) and is_sentinel_url(redis) else 0) if replicas is None else replicas
         self.lease_ttl = lease_ttl
         self.heartbeat = heartbeat
         self.poll_interval = min(poll_interval, heartbeat)  # waiters also keep their tickets alive
@@ -144,18 +154,8 @@ class RedisLedger(LedgerBase):
         self.on_unavailable = on_unavailable
         self.local_share = local_share
         self._owns_client = isinstance(redis, str)
-        if isinstance(redis, str):  # one immediate retry reconnects after a restart; no backoff
-            # A call waits for a free connection as long as its own timeout allows (timeout=None
-            # here): a burst queues for connections, and a wait is "slow", never "down".
-            pool = BlockingConnectionPool.from_url(
-                redis,
-                max_connections=max_connections,
-                timeout=None,
-                retry=Retry(NoBackoff(), 1),
-                socket_timeout=redis_timeout,
-                socket_connect_timeout=redis_timeout,
-            )
-            redis = Redis.from_pool(pool)  # the client owns the pool and closes it
+        if isinstance(redis, str):  # one immediate retry reconnects after a restart or a failover
+            redis = redis_client(redis, max_connections=max_connections, timeout=redis_timeout)
         self._client = redis
         self._scripts = self.scripts_type(
             redis,
@@ -246,6 +246,8 @@ class RedisLedger(LedgerBase):
         rid, settled = upkeep.new_id(), False
         try:
             state, device = await self._scripts.reserve(rid, nbytes, names, 0, tenant, "try")
+            if state == "granted":
+                await self._replicated()
             settled = True
         except RedisDown as exc:
             if not isinstance(exc, RedisSlow):
@@ -317,6 +319,7 @@ class RedisLedger(LedgerBase):
                         raise RedisDown(upkeep.down)
                     granted = upkeep.grants.pop(rid, None)  # the wake-up names the device: no round trip
                     state, detail = ("granted", granted) if granted else await self._ask(self._scripts.claim(rid))
+            await self._replicated()
             settled = True
             return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start, tenant))
         except (DeadlineUnmeetable, QueueFull):
@@ -443,6 +446,17 @@ class RedisLedger(LedgerBase):
     def _count_rejection(self, reason: str) -> None:
         """A refusal decided before any call to Redis: counted here, added to Redis by the next heartbeat."""
         self._upkeep.tally.count(reason)
+
+    async def _replicated(self) -> None:
+        """With ``replicas``: return once that many replicas have the grant just made, else raise
+        ``RedisDown``: a grant a failover could lose, or one an old primary made after a replica
+        was promoted in its place, is given back, never used."""
+        if self.replicas:
+            acked = await self._scripts.replicated(self.replicas)
+            if acked < self.replicas:
+                raise RedisDown(
+                    f"{acked} of {self.replicas} replica(s) acknowledged the grant within {self.redis_timeout:g} s"
+                )
 
     def _hold(self, reservation: Reservation) -> Reservation:
         self._upkeep.held[reservation.id] = reservation

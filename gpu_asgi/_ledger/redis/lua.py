@@ -15,7 +15,8 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
   ``bytes:<lane>`` / ``n:<lane>``, the bytes and waiters queued in each lane (for ``Retry-After``)
 - ``released`` hash: the drain rate's decayed ``bytes`` and busy ``seconds``, ``last`` (ms), ``busy``
 - ``boot``     hash: ``id`` of this Redis dataset (set when a script finds none), ``warm`` until when
-  grants pause after a data loss, ``lost`` (ms) the time the lease clock has not counted
+  grants pause after a data loss, ``lost`` (ms) the time the lease clock has not counted, ``run``
+  the run id of the Redis process that last ran a script on it, ``moved`` how often that changed
 - ``tenants``  set of the tenants that hold or wait; each has a hash ``tenants:<name>``: ``held``,
   ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt``, ``served``, ``credit`` and
   ``hcredit`` (floats written with ``%.17g``, so they read back exactly), ``last`` (ms), ``low`` and
@@ -52,6 +53,13 @@ that knew an earlier ``boot`` id sees a new one, so Redis lost what the workers 
 then pause for ``warm`` (1.5 heartbeats) while every worker's heartbeat finds its leases missing
 and puts them back (``restore``); requests queue meanwhile. A namespace used for the first time
 has no earlier id to compare with and starts at once.
+
+A failover (a replica promoted, by Sentinel, by hand or by a managed service) keeps the ``boot``
+id, since the replica copied it, but can miss the last writes the old primary acknowledged:
+replication is asynchronous. Every script compares the run id of the Redis process it runs on
+(``INFO server``) with ``run``; another one (a promoted replica, or a restart from persistence
+files, which can miss the last second of writes too) pauses grants exactly as a data loss does,
+from the first script that runs there (docs/deployment.md, "Failover").
 """
 
 from __future__ import annotations

@@ -159,6 +159,8 @@ class LedgerScripts:
         tag = "{" + namespace + "}"
         self.keys = [f"{tag}:{name}" for name in _KEYS]
         self.channel = f"{tag}:wake"
+        #: Written before a ``WAIT``, so that the wait covers every write before it (``replicated``).
+        self.fence = f"{tag}:fence"
         self.timeout = timeout
         self.client = client
         #: The dataset this process last saw (see lua.py: data loss); '' until the first heartbeat.
@@ -195,6 +197,22 @@ class LedgerScripts:
             raise RedisSlow(f"no answer within {self.timeout:g} s") from exc
         except (RedisError, OSError) as exc:
             raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+
+    async def replicated(self, replicas: int) -> int:
+        """How many replicas (at most ``replicas``) have every write Redis made before this call:
+        a write on this connection, then ``WAIT`` for it. The replication stream is ordered, so
+        that covers a grant any script made before, in any process. Bounded by the timeout."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.incr(self.fence)
+                    pipe.execute_command("WAIT", replicas, max(1, round(self.timeout * 500)))
+                    _, acked = await pipe.execute()
+        except (TimeoutError, RedisTimeoutError) as exc:
+            raise RedisSlow(f"no answer within {self.timeout:g} s") from exc
+        except (RedisError, OSError) as exc:
+            raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+        return int(acked)
 
     @overload
     async def reserve(

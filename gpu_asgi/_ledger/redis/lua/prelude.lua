@@ -13,6 +13,26 @@ end
 if ARGV[2] ~= '' and ARGV[2] ~= boot then  -- the caller saw an earlier dataset: it was lost
   redis.call('HSETNX', K_BOOT, 'warm', int(now + cfg.warm))
 end
+-- The Redis process serving the dataset ('run', its run id): another one than the last script saw
+-- means a replica was promoted (a failover) or Redis restarted from its persistence files. Both
+-- can lose the last writes it acknowledged (replication and fsync are asynchronous): leases the
+-- workers still hold. Grants pause as after a data loss, while the heartbeats put them back.
+local moved = false
+do
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+  local seen = redis.call('HGET', K_BOOT, 'run')
+  if run and seen ~= run then
+    moved = seen ~= false
+    if moved then
+      local warm = now + cfg.warm
+      if warm > tonumber(redis.call('HGET', K_BOOT, 'warm') or '0') then
+        redis.call('HSET', K_BOOT, 'warm', int(warm))
+      end
+      redis.call('HINCRBY', K_BOOT, 'moved', 1)
+    end
+    redis.call('HSET', K_BOOT, 'run', run)
+  end
+end
 local warming = now < tonumber(redis.call('HGET', K_BOOT, 'warm') or '0')
 
 -- The lease clock (see above): 'last' is the previous script's time (kept for the drain rate below).
@@ -20,7 +40,12 @@ local lease_now
 do
   local last = tonumber(redis.call('HGET', K_REL, 'last') or now)
   local lost = tonumber(redis.call('HGET', K_BOOT, 'lost') or '0')
-  if now - last > cfg.beat then  -- nobody could renew in this spell: it counts as one heartbeat
+  if moved and now > last then
+    -- The spell before a failover's first script does not count at all: the holders must find the
+    -- new primary first (through Sentinel, past connections to the old one that time out).
+    lost = lost + (now - last)
+    redis.call('HSET', K_BOOT, 'lost', int(lost))
+  elseif now - last > cfg.beat then  -- nobody could renew in this spell: it counts as one heartbeat
     lost = lost + (now - last - cfg.beat)
     redis.call('HSET', K_BOOT, 'lost', int(lost))
   end
