@@ -158,6 +158,7 @@ def test_metric_names_follow_prometheus_conventions() -> None:
         "gpu_asgi_in_flight_requests": "gauge",
         "gpu_asgi_reserved_bytes": "gauge",
         "gpu_asgi_capacity_bytes": "gauge",
+        "gpu_asgi_ledger_failovers": "gauge",
         "gpu_asgi_device_memory_used_bytes": "gauge",
         "gpu_asgi_device_memory_total_bytes": "gauge",
         "gpu_asgi_device_temperature_celsius": "gauge",

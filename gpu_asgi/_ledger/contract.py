@@ -59,6 +59,9 @@ class LedgerStatistics:
     release_rate_bytes_per_second: float = 0.0
     #: Tenants with bytes held or waiting, and every configured one.
     tenants: tuple[TenantStatistics, ...] = ()
+    #: The shared ledger: how often its Redis changed process under it (a failover, a restart from
+    #: persistence files), each followed by a pause of grants; 0 for a ledger in one process.
+    failovers: int = 0
 
     @property
     def in_flight(self) -> int:

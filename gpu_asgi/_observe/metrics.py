@@ -37,6 +37,8 @@ LEDGER_GAUGES = (
     ("in_flight_requests", "Admitted requests still holding a reservation.", ("device",), "ledger"),
     ("reserved_bytes", "Bytes reserved by admitted requests.", ("device",), "ledger"),
     ("capacity_bytes", "The device's byte budget.", ("device",), "ledger"),
+    ("ledger_failovers", "Times the shared ledger's Redis changed process (a failover, a restart from its "
+     "files), each followed by a pause of grants; 0 in one process.", (), "ledger"),
 )
 #: Per tenant, from ``ledger.statistics().tenants``; ``tenant`` is a tenant named in advance,
 #: ``default`` or ``other`` (every other tenant, summed). Shares are of the tenants present now.
@@ -228,6 +230,7 @@ class GPUMetrics:
             values["in_flight_requests"] = [((d.name,), d.in_flight) for d in stats.devices]
             values["reserved_bytes"] = [((d.name,), d.reserved_bytes) for d in stats.devices]
             values["capacity_bytes"] = [((d.name,), d.capacity_bytes) for d in stats.devices]
+            values["ledger_failovers"] = [((), stats.failovers)]
             values.update(self._tenant_samples(stats))
         if self.sampler is not None:
             snapshot = self.sampler.snapshot

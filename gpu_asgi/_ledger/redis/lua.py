@@ -11,12 +11,13 @@ Every key carries the hash tag ``{namespace}`` so a script's keys share one clus
 - ``lanes``    set of lane names ``"<priority>:<size class>:<device indexes>"``; each lane is a
   sorted set ``queue:<lane>``, ticket id → sequence (FIFO)
 - ``reserved`` / ``inflight`` hashes, device → bytes held / leases held
-- ``counts``   hash: ``seq``, ``admitted``, ``waiting_bytes``, ``rejected:<reason>``, and
+- ``counts``   hash: ``seq``, ``admitted``, ``waiting_bytes``, ``rejected:<reason>``, ``failovers``, and
   ``bytes:<lane>`` / ``n:<lane>``, the bytes and waiters queued in each lane (for ``Retry-After``)
 - ``released`` hash: the drain rate's decayed ``bytes`` and busy ``seconds``, ``last`` (ms), ``busy``
 - ``boot``     hash: ``id`` of this Redis dataset (set when a script finds none), ``warm`` until when
   grants pause after a data loss, ``lost`` (ms) the time the lease clock has not counted, ``run``
-  the run id of the Redis process that last ran a script on it, ``moved`` how often that changed
+  the run id of the Redis process that last ran a script on it (``counts``' ``failovers``: how
+  often that changed)
 - ``tenants``  set of the tenants that hold or wait; each has a hash ``tenants:<name>``: ``held``,
   ``inflight``, ``waiting``, ``wbytes`` (bytes waiting), ``vt``, ``served``, ``credit`` and
   ``hcredit`` (floats written with ``%.17g``, so they read back exactly), ``last`` (ms), ``low`` and

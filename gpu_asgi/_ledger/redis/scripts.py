@@ -95,7 +95,8 @@ class Beat:
                 TenantStatistics(name, known.weight, known.quota_bytes, held, leases, waiting, waiting_bytes, served)
             )
         return LedgerStatistics(
-            devices, self.waiting, self.waiting_bytes, admitted, rejected, self.release_rate, tuple(tenants)
+            devices, self.waiting, self.waiting_bytes, admitted, rejected, self.release_rate, tuple(tenants),
+            self.counts.get("failovers", 0),
         )
 
     def retry_after(

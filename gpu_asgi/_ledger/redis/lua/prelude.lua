@@ -28,7 +28,7 @@ do
       if warm > tonumber(redis.call('HGET', K_BOOT, 'warm') or '0') then
         redis.call('HSET', K_BOOT, 'warm', int(warm))
       end
-      redis.call('HINCRBY', K_BOOT, 'moved', 1)
+      redis.call('HINCRBY', K_COUNT, 'failovers', 1)
     end
     redis.call('HSET', K_BOOT, 'run', run)
   end
