@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from demo_service import Batcher, BucketedEstimator, DemoSettings, LoadedModel, Sampling
 from demo_service._metrics import DemoMetrics
-from gpu_asgi import AnalyticEstimator, Ledger
+from gpu_asgi import AnalyticEstimator, Ledger, Reservation
 
 from ._asgi import client, wait_until
 from ._demo import batcher_of, ledger_of, loaded_model, model_dir, running
@@ -93,13 +93,7 @@ async def test_a_batch_grows_before_it_decodes_past_its_bytes(model: LoadedModel
 async def test_a_batch_pauses_while_no_bytes_are_free_and_resumes_when_they_are(
     model: LoadedModel, estimator: BucketedEstimator
 ) -> None:
-    prompt = ids(model, "Tell me a long story")
-    worst = estimator.estimate(len(prompt), LIMIT)
-    own = estimator.estimate(len(prompt), PREDICTED)
-    ledger = Ledger({"cpu": worst}, max_wait=60)
-    reservation = ledger.try_reserve(own)
-    other = ledger.try_reserve(worst - own)  # someone else holds the rest of the device
-    assert reservation is not None and other is not None
+    prompt, worst, own, ledger, reservation, other = crowded(model, estimator, max_wait=60)
     async with Batcher(model, estimator=estimator, ledger=ledger, window=0.0) as batcher:
         watch = Watch(batcher, ledger)
         generation = batcher.submit(
@@ -115,6 +109,20 @@ async def test_a_batch_pauses_while_no_bytes_are_free_and_resumes_when_they_are(
     assert sequence.completion_tokens == LIMIT
     assert all(held <= worst for _, held in watch.steps)
     reservation.release()
+
+
+def crowded(
+    model: LoadedModel, estimator: BucketedEstimator, *, max_wait: float
+) -> tuple[list[int], int, int, Ledger, Reservation, Reservation]:
+    """A device with room for one request's worst case, the request holding its predicted bytes
+    and someone else the rest: ``(prompt, worst, own, ledger, its reservation, the other's)``."""
+    prompt = ids(model, "Tell me a long story")
+    worst = estimator.estimate(len(prompt), LIMIT)
+    own = estimator.estimate(len(prompt), PREDICTED)
+    ledger = Ledger({"cpu": worst}, max_wait=max_wait)
+    reservation, other = ledger.try_reserve(own), ledger.try_reserve(worst - own)
+    assert reservation is not None and other is not None
+    return prompt, worst, own, ledger, reservation, other
 
 
 def estimator_steps(estimator: BucketedEstimator, prompt: int, nbytes: int) -> int:
@@ -159,13 +167,7 @@ async def test_a_running_batch_takes_bytes_from_a_queued_request_which_gets_them
 async def test_a_batch_that_cannot_grow_within_max_wait_ends_its_answers_there(
     model: LoadedModel, estimator: BucketedEstimator
 ) -> None:
-    prompt = ids(model, "Tell me a long story")
-    worst = estimator.estimate(len(prompt), LIMIT)
-    own = estimator.estimate(len(prompt), PREDICTED)
-    ledger = Ledger({"cpu": worst}, max_wait=0.3)
-    reservation = ledger.try_reserve(own)
-    other = ledger.try_reserve(worst - own)  # held for good
-    assert reservation is not None and other is not None
+    prompt, worst, own, ledger, reservation, other = crowded(model, estimator, max_wait=0.3)  # other: held for good
     demo_metrics = metrics()
     async with Batcher(model, estimator=estimator, ledger=ledger, window=0.0, metrics=demo_metrics) as batcher:
         generation = batcher.submit(
