@@ -17,16 +17,13 @@ from . import _redis
 from ._redis import RedisServer, eventually, requires_redis_server
 
 pytestmark = requires_redis_server
+own_redis_server = _redis.own_redis_server  # fixture
 namespace = _redis.namespace  # fixture
 
 
 @pytest.fixture
-def primary() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def primary(own_redis_server: RedisServer) -> RedisServer:
+    return own_redis_server
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ from gpu_asgi import (
     AdmissionRejected,
     BudgetLedger,
     DeviceExecutor,
+    DeviceStatistics,
     QueueFull,
     Reservation,
     gpu_phase,
@@ -278,9 +279,14 @@ class Batcher:
         )
 
     def _capacity(self) -> int | None:
+        device = self._device_statistics()
+        return None if device is None else device.capacity_bytes
+
+    def _device_statistics(self) -> DeviceStatistics | None:
+        """This batcher's device as the ledger sees it now."""
         if self.ledger is None:
             return None
-        return max((d.capacity_bytes for d in self.ledger.statistics().devices if d.name == self.loaded.device), default=None)
+        return next((d for d in self.ledger.statistics().devices if d.name == self.loaded.device), None)
 
     def _remove(self, batch: list[Generation]) -> None:
         taken = set(map(id, batch))
@@ -298,10 +304,10 @@ class Batcher:
         """Bytes the ledger could lend for padding right now: the device's free bytes."""
         if self.ledger is None or self.estimator is None:
             return 0
-        stats = self.ledger.statistics()
-        if stats.waiting >= self.ledger.max_queue:
+        if self.ledger.statistics().waiting >= self.ledger.max_queue:
             return 0  # a full queue would refuse even a loan
-        return max((d.free_bytes for d in stats.devices if d.name == self.loaded.device), default=0)
+        device = self._device_statistics()
+        return 0 if device is None else device.free_bytes
 
     async def _borrow(self, nbytes: int) -> Reservation | None:
         """Padding bytes for a batch of already-admitted requests, ahead of the queue, if they come
@@ -326,9 +332,12 @@ class Batcher:
         ledger's ``max_wait``."""
         if self.ledger is None:
             return None
-        asked = asyncio.ensure_future(
-            self.ledger.reserve(nbytes, devices=(self.loaded.device,), priority=GROWTH_PRIORITY)
-        )
+        ledger = self.ledger
+
+        def ask() -> asyncio.Future[Reservation]:
+            return asyncio.ensure_future(ledger.reserve(nbytes, devices=(self.loaded.device,), priority=GROWTH_PRIORITY))
+
+        asked = ask()
         # Asked first, then taken: bytes a queued request gives up go to this loan, not to the queue.
         await asyncio.wait((asked,), timeout=BORROW_TIMEOUT)
         if not asked.done():
@@ -341,11 +350,12 @@ class Batcher:
             return None
         self._take_from_queued(nbytes, keep)
         try:
-            return await self.ledger.reserve(nbytes, devices=(self.loaded.device,), priority=GROWTH_PRIORITY)
+            return await ask()
         except AdmissionRejected:
             return None
 
-    def _take_from_queued(self, nbytes: int, keep: list[Generation]) -> int:
+    def _take_from_queued(self, nbytes: int, keep: list[Generation]) -> None:
+        """Up to ``nbytes`` lent by the youngest requests queued here, those in ``keep`` aside."""
         kept = set(map(id, keep))
         taken = 0
         for generation in reversed(self._pending):
@@ -353,7 +363,6 @@ class Batcher:
                 break
             if id(generation) not in kept:
                 taken += generation.lend(nbytes - taken)
-        return taken
 
     async def _grow(self, batch: list[Generation], run: RunningBatch, produced: int) -> int:
         """The steps the batch may decode now that it has ``produced``: more, once it has borrowed
@@ -424,16 +433,15 @@ class Batcher:
             with self._tracer.start_as_current_span(BATCH_SPAN, links=links, attributes=attributes):
                 await self._executor.run(run_batch, self.loaded, plan, on_step)
         except asyncio.CancelledError:
-            self.current = None
             for generation in batch:
                 generation._fail(RuntimeError("the service is shutting down"))
             raise
         except Exception as exc:  # whatever failed, the batch's requests are told
-            self.current = None
             for generation in batch:
                 generation._fail(exc)
             return
-        self.current = None
+        finally:
+            self.current = None
         for generation in batch:
             generation._device_finished()
             if self.metrics is not None and generation.time_to_first_token is not None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -183,36 +184,36 @@ class LedgerScripts:
         """A call's ARGV: the config, the boot id this process last saw, then the script's own."""
         return [self._config, self.boot, *args]
 
-    async def _run(self, name: str, *args: str | int) -> Any:
-        script = self._scripts[name]
+    @contextlib.asynccontextmanager
+    async def _bounded(self) -> AsyncIterator[None]:
+        """One call to Redis: within the timeout, its failures as ``RedisSlow`` or ``RedisDown``."""
         try:
             async with asyncio.timeout(self.timeout):
-                while True:
-                    try:
-                        return await script(keys=self.keys, args=self._argv(args))
-                    except MaxConnectionsError:
-                        # A caller's client with redis-py's default (non-blocking) pool, all of its
-                        # connections busy: that is a burst, not an outage. Wait for one.
-                        await asyncio.sleep(POOL_RETRY_SECONDS)
+                yield
         except (TimeoutError, RedisTimeoutError) as exc:  # ours, the socket's or redis-py's
             raise RedisSlow(f"no answer within {self.timeout:g} s") from exc
         except (RedisError, OSError) as exc:
             raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
 
+    async def _run(self, name: str, *args: str | int) -> Any:
+        script = self._scripts[name]
+        async with self._bounded():
+            while True:
+                try:
+                    return await script(keys=self.keys, args=self._argv(args))
+                except MaxConnectionsError:
+                    # A caller's client with redis-py's default (non-blocking) pool, all of its
+                    # connections busy: that is a burst, not an outage. Wait for one.
+                    await asyncio.sleep(POOL_RETRY_SECONDS)
+
     async def replicated(self, replicas: int) -> int:
         """How many replicas (at most ``replicas``) have every write Redis made before this call:
         a write on this connection, then ``WAIT`` for it. The replication stream is ordered, so
         that covers a grant any script made before, in any process. Bounded by the timeout."""
-        try:
-            async with asyncio.timeout(self.timeout):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    pipe.incr(self.fence)
-                    pipe.execute_command("WAIT", replicas, max(1, round(self.timeout * 500)))
-                    _, acked = await pipe.execute()
-        except (TimeoutError, RedisTimeoutError) as exc:
-            raise RedisSlow(f"no answer within {self.timeout:g} s") from exc
-        except (RedisError, OSError) as exc:
-            raise RedisDown(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+        async with self._bounded(), self.client.pipeline(transaction=False) as pipe:
+            pipe.incr(self.fence)
+            pipe.execute_command("WAIT", replicas, max(1, round(self.timeout * 500)))
+            _, acked = await pipe.execute()
         return int(acked)
 
     @overload
