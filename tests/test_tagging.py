@@ -19,13 +19,15 @@ from gpu_asgi import RouteSpec, gpu_bound
 from gpu_asgi._asgi.routes import bodyless_tagged_routes, route_spec_of
 
 
-def test_decorator_returns_the_same_function_with_its_spec() -> None:
-    async def endpoint() -> None: ...
+async def test_decorator_wraps_the_function_with_its_spec_and_calls_it_as_it_is() -> None:
+    async def endpoint(x: int) -> int:
+        return x + 1
 
     tagged = gpu_bound(prompt="text", max_new_tokens_cap=64, default_max_new_tokens=8, devices="cuda:1")(endpoint)
-    assert tagged is endpoint
+    assert tagged.__wrapped__ is endpoint  # type: ignore[attr-defined]
+    assert await tagged(1) == 2  # called without FastAPI's request (a Starlette route): as it is
     spec = route_spec_of(endpoint)
-    assert spec is not None
+    assert spec is not None and route_spec_of(tagged) is spec
     assert spec.prompt == ("text",) and spec.devices == ("cuda:1",) and spec.max_new_tokens_cap == 64
     assert route_spec_of(functools.partial(endpoint)) is spec
 

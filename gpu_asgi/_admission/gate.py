@@ -31,7 +31,6 @@ from .body import (
     ParsedRequest,
     check_headers,
     client_wait,
-    json_object,
     parse_request,
     read_body,
 )
@@ -110,6 +109,18 @@ class Admission:
             observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes, sampling=self.sampling)
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A request that passed every check that needs no GPU bytes: headers, body size and time,
+    JSON, the route's fields. Admission estimates and reserves from it."""
+
+    body: bytes
+    request: ParsedRequest
+    #: Seconds it may wait in the queue (the route's and the client's ``x-request-timeout``;
+    #: None: the ledger's ``max_wait``).
+    wait_limit: float | None
+
+
 def route_name(scope: Scope) -> str:
     """``POST /v1/{model}/generate``: the matched route's path template, else the request path."""
     path = getattr(scope.get("route"), "path", None) or scope.get("path", "")
@@ -119,8 +130,8 @@ def route_name(scope: Scope) -> str:
 class Gate:
     """Admission for one middleware, built once from what it needs.
 
-    :meth:`admit` per request; :meth:`read` first for a request whose admission waits for its
-    endpoint's dependency (the app reads the body before that).
+    :meth:`admit` per request; :meth:`check` first for a request whose admission waits for its
+    endpoint's call or dependency (the app reads the body before that).
     """
 
     def __init__(
@@ -165,19 +176,24 @@ class Gate:
         #: those whose reserve() has not reached the ledger yet.
         self.queued = 0
 
-    async def admit(self, scope: Scope, receive: Receive, spec: RouteSpec, body: bytes | None = None) -> Admission:
-        """Read the body from ``receive`` (or take ``body``, already read by :meth:`read`), estimate
-        it and reserve its bytes; ``receive`` then tells the queue when the client leaves.
+    async def admit(
+        self, scope: Scope, receive: Receive, spec: RouteSpec, checked: CheckedRequest | None = None
+    ) -> Admission:
+        """Read and check the body from ``receive`` (or take ``checked``, from :meth:`check`),
+        estimate it and reserve its bytes; ``receive`` then tells the queue when the client leaves.
 
         Raises the refusal (:class:`ClientClosedRequest` when the client left first); nothing is
         reserved then.
         """
-        self._start()
-        try:
+        if checked is None:
             if self.lifecycle.draining:  # stopping: refused before the body is read
-                raise self.lifecycle.refusal()
-            body, wait_limit = await self._read(scope, receive, spec, body)
-            request = parse_request(body, spec, lambda: route_name(scope))
+                self._start()
+                refusal = self.lifecycle.refusal()
+                self._count_refusal(refusal)
+                raise refusal
+            checked = await self.check(scope, receive, spec)
+        try:
+            request = checked.request
             max_new_tokens, clamped_from = self._clamped(request.max_new_tokens, spec)
             prompt_tokens = await self._count(request)
             batch = len(request.prompts) * request.n
@@ -203,7 +219,7 @@ class Gate:
             span.set_attributes(otel.queue_wait_attributes(
                 prompt_tokens, max_new_tokens, nbytes, batch, spec.priority, clamped_from, label
             ))
-        reservation = await self._reserve(span, nbytes, spec, receive, wait_limit, tenant, label)
+        reservation = await self._reserve(span, nbytes, spec, receive, checked.wait_limit, tenant, label)
         meter = None
         if lengths is not None and reserved_tokens is not None:
             meter = UsageMeter(
@@ -214,21 +230,20 @@ class Gate:
                 self.metrics.record_learned(reserved_tokens, max_new_tokens)
         return Admission(
             reservation, prompt_tokens, max_new_tokens, batch, nbytes, clamped_from, self.metrics, estimator,
-            request.sampling, body, reserved_tokens, meter,
+            request.sampling, checked.body, reserved_tokens, meter,
         )
 
-    async def read(self, scope: Scope, receive: Receive) -> bytes:
-        """The body as an app may be handed it before admission: headers checked, within the size
-        and time limits, a JSON object. For a request admitted later (:meth:`admit` on these bytes),
-        so what protects the server (limits) and what FastAPI checks first (JSON) hold at the read."""
+    async def check(self, scope: Scope, receive: Receive, spec: RouteSpec) -> CheckedRequest:
+        """Headers checked, the body read within the size and time limits, parsed once: what an app
+        may be handed before admission (what protects the server, and what FastAPI checks first,
+        holds at that read), and what :meth:`admit` later reserves for."""
         self._start()
         try:
-            body, _ = await self._read(scope, receive, None)
-            json_object(body)
+            body, wait_limit = await self._read(scope, receive, spec)
+            return CheckedRequest(body, parse_request(body, spec, lambda: route_name(scope)), wait_limit)
         except GPUAdmissionError as error:
             self._count_refusal(error)
             raise
-        return body
 
     def _start(self) -> None:
         """Once per request: on asyncio, with the metrics and device readings running."""
@@ -241,24 +256,19 @@ class Gate:
         if self.sampler is not None:
             self.sampler.ensure_started()
 
-    async def _read(
-        self, scope: Scope, receive: Receive, spec: RouteSpec | None, body: bytes | None = None
-    ) -> tuple[bytes, float | None]:
-        """The whole body under the limits (``body``: read already, under them), and the seconds
-        the request may wait in the queue (the route's and the client's ``x-request-timeout``;
-        None: the ledger's ``max_wait``). Everything the headers alone refuse is refused before a
-        byte is read."""
+    async def _read(self, scope: Scope, receive: Receive, spec: RouteSpec) -> tuple[bytes, float | None]:
+        """The whole body under the limits, and the seconds the request may wait in the queue.
+        Everything the headers alone refuse is refused before a byte is read."""
         max_bytes = self.max_body_bytes
         if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see body): the smaller applies
             max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
         raw_timeout = check_headers(scope, max_bytes)
-        wait_limit = None if spec is None else spec.max_client_wait
+        wait_limit = spec.max_client_wait
         if raw_timeout is not None:
             wait_limit = client_wait(raw_timeout, self.ledger.max_wait if wait_limit is None else wait_limit)
-        if body is None:
-            body = await read_body(receive, max_bytes, self.body_timeout)
-            if body is None:  # the client left before its body was whole
-                raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
+        body = await read_body(receive, max_bytes, self.body_timeout)
+        if body is None:  # the client left before its body was whole
+            raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
         return body, wait_limit
 
     def _count_refusal(self, error: GPUAdmissionError) -> None:

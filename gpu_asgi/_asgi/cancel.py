@@ -24,7 +24,9 @@ CANCEL_MESSAGE = "gpu_asgi: the client disconnected before the response started"
 
 
 def cancellable(endpoint: Any) -> bool:
-    """False for a synchronous function endpoint (Starlette and FastAPI run it on a thread)."""
+    """False for a synchronous function endpoint (Starlette and FastAPI run it on a thread), also
+    behind ``@gpu_bound``'s wrapper, which awaits that thread."""
+    endpoint = inspect.unwrap(endpoint) if inspect.isfunction(endpoint) else endpoint
     return not (inspect.isfunction(endpoint) and not inspect.iscoroutinefunction(endpoint))
 
 

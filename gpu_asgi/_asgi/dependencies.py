@@ -10,8 +10,7 @@ endpoint is admitted when its body is first read.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
@@ -21,8 +20,13 @@ from .._ledger.contract import Reservation
 #: Keys under ``scope["state"]`` (so ``request.state.gpu_admission`` in Starlette/FastAPI).
 ADMISSION_STATE_KEY = "gpu_admission"
 RESERVATION_STATE_KEY = "gpu_reservation"
-#: Scope key holding ``admit()`` while a tagged request waits for its dependency to admit it.
+#: Scope key holding the request's responder (its ``admit()``) while a tagged request waits for
+#: its endpoint's call or its dependency to admit it.
 ADMIT_SCOPE_KEY = "gpu_asgi.admit"
+
+
+class _Deferred(Protocol):
+    async def admit(self) -> Admission: ...
 
 #: How many dependency levels are searched for ours: a bound on a cycle.
 _MAX_DEPTH = 32
@@ -43,13 +47,13 @@ async def gpu_admission(request: Request) -> Admission:
     admission = request.scope.get("state", {}).get(ADMISSION_STATE_KEY)
     if admission is not None:  # the read admitted it (a tagged route that does not declare us)
         return admission  # type: ignore[no-any-return]
-    admit: Callable[[], Awaitable[Admission]] | None = request.scope.get(ADMIT_SCOPE_KEY)
-    if admit is None:
+    deferred: _Deferred | None = request.scope.get(ADMIT_SCOPE_KEY)
+    if deferred is None:
         raise RuntimeError(
             "This request has not been admitted by GPUAdmissionMiddleware: check that the route is tagged "
             "with @gpu_bound (or named in routes={...}) and that the middleware is added."
         )
-    return await admit()
+    return await deferred.admit()
 
 
 async def gpu_reservation(request: Request) -> Reservation:

@@ -35,7 +35,7 @@ from .._observe.lifecycle import Lifecycle
 from .._types import ASGIApp, Receive, Scope, Send
 from .problems import ProblemStyle
 from .responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
-from .routes import bodyless_tagged_routes, declared_routes
+from .routes import bodyless_tagged_routes, declared_routes, early_admitted_routes
 
 if TYPE_CHECKING:
     from .._observe.metrics import GPUMetrics
@@ -135,7 +135,8 @@ class GPUAdmissionMiddleware:
             # above), so GET/HEAD/OPTIONS/TRACE go straight through.
             if scope["method"] not in BODYLESS_METHODS:
                 # Watched: the app gets receive/send wrapped by a Responder; the router picks the
-                # endpoint, and a tagged one is admitted at its first body read.
+                # endpoint, and a tagged one is admitted at its first body read (FastAPI's: when
+                # FastAPI calls it, after its dependencies).
                 # A path named in routes= is admitted at the app's first body read, like a tagged
                 # endpoint: what the app answers before reading (its auth, a 404, a 405) passes.
                 spec = self._explicit.get(_route_path(scope)) if self._explicit else None
@@ -195,6 +196,13 @@ class GPUAdmissionMiddleware:
                 "gpu_asgi cannot check the routes at startup: no router is reachable from %r through `.app`, "
                 "so a tagged route that also takes GET is not refused. Admission still follows the router at "
                 "each request; an app without a router names its GPU-bound paths with routes={...}.", self.app,
+            )
+        early = early_admitted_routes(app)
+        if early:
+            logger.warning(
+                "@gpu_bound sits above the route decorator on %s: FastAPI registered the bare function, so these "
+                "routes are admitted at their body read, before their dependencies (auth) run. Put @gpu_bound() "
+                "below @app.post(...) (docs/endpoints.md).", ", ".join(early),
             )
         bad = bodyless_tagged_routes(app)
         if bad:

@@ -5,11 +5,11 @@ The router matches first and writes the endpoint it chose into the scope (Starle
 endpoint layer then reads the body. That first ``receive()`` is where admission happens: for a
 tagged endpoint the gate reads the body, checks it and reserves its bytes (or queues for them)
 right there, and the same bytes are replayed; for an untagged one the server's messages pass
-untouched. A FastAPI endpoint that declares ``Depends(gpu_admission)``/``Depends(gpu_reservation)``
-is admitted when that dependency runs instead (its body read checks only the limits and the JSON,
-and keeps the bytes for the gate), so the dependencies declared before it, such as auth, answer
-first. The responder is the only part of
-gpu_asgi that sends: a refusal the gate raises is answered here, as problem+json.
+untouched. A FastAPI endpoint (``@gpu_bound`` below the route decorator, see ``endpoint_call``)
+is admitted when FastAPI calls it, and one that declares ``Depends(gpu_admission)`` when that
+dependency runs: its body read is only checked (limits, JSON, fields) and kept, and this responder
+waits in the scope for :meth:`Responder.admit`, so the app's dependencies and validation answer
+first. The responder is the only part of gpu_asgi that sends: a refusal the gate raises is answered here, as problem+json.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 
-from .._admission.gate import Admission, Gate, route_name
+from .._admission.gate import Admission, CheckedRequest, Gate, route_name
 from .._admission.spec import RouteSpec
 from .._device.policy import CLAMPED_HEADER
 from .._errors import ClientClosedRequest, GPUAdmissionError
 from .._types import Message, Receive, Scope, Send
 from .cancel import DisconnectWatch, cancellable
 from .dependencies import ADMISSION_STATE_KEY, ADMIT_SCOPE_KEY, RESERVATION_STATE_KEY, declares_admission
+from .endpoint_call import admitted_at_call
 from .problems import ProblemStyle, send_problem
 from .routes import route_spec_of
 
@@ -88,7 +89,7 @@ class Responder:
     """
 
     __slots__ = (
-        "_admission", "_body", "_cancel", "_entry_endpoint", "_gate", "_pending", "_read", "_receive", "_scope",
+        "_admission", "_body", "_cancel", "_checked", "_entry_endpoint", "_gate", "_pending", "_receive", "_scope",
         "_send", "_spec", "_state", "_style", "_watch",
     )
 
@@ -110,7 +111,7 @@ class Responder:
         self._entry_endpoint = scope.get("endpoint")
         self._admission: Admission | None = None
         self._body: bytes | None = None  # body bytes still to hand to the app
-        self._read: bytes | None = None  # the body the app read while admission was deferred
+        self._checked: CheckedRequest | None = None  # the body the app read while admission was deferred
         #: After admission, the server's next message (only a disconnect can come) and its watch,
         #: which cancels the endpoint if the client leaves before the response starts (``cancel``).
         self._pending: asyncio.Future[Message] | None = None
@@ -119,7 +120,7 @@ class Responder:
     def finish(self) -> None:
         """After the app has returned or failed: release (at most once)."""
         if self._spec is not None:
-            self._scope.pop(ADMIT_SCOPE_KEY, None)  # it holds this responder: no cycle left behind
+            self._scope.pop(ADMIT_SCOPE_KEY, None)  # this responder: no cycle left behind
         if self._admission is not None:
             self._admission.reservation.release()
             self._gate.lifecycle.finished()
@@ -142,7 +143,7 @@ class Responder:
         if state == _UNDECIDED:
             spec = self._spec if self._spec is not None else matched_spec(self._scope)
             if spec is not None:
-                if declares_admission(self._scope.get("route")):
+                if admitted_at_call(self._scope) or declares_admission(self._scope.get("route")):
                     self._defer(spec)
                     return self._read_deferred()
                 return self._admit_and_replay(spec)
@@ -154,7 +155,7 @@ class Responder:
         if state == _PASS:
             return self._receive()
         if state == _DEFERRED:
-            return self._read_deferred() if self._read is None else self._receive()
+            return self._read_deferred() if self._checked is None else self._receive()
         return self._receive_watched()
 
     def send(self, message: Message) -> Awaitable[None]:
@@ -180,16 +181,16 @@ class Responder:
         self._body = None
         return {"type": "http.request", "body": admission.body, "more_body": False}
 
-    async def _admit(self, spec: RouteSpec, body: bytes | None = None) -> Admission:
-        """Admit through the gate (``body``: read already); a refusal is answered here and ends
-        the app (:class:`Answered`)."""
+    async def _admit(self, spec: RouteSpec, checked: CheckedRequest | None = None) -> Admission:
+        """Admit through the gate (``checked``: the body read and checked already); a refusal is
+        answered here and ends the app (:class:`Answered`)."""
         try:
-            admission = await self._gate.admit(self._scope, self._receive, spec, body)
+            admission = await self._gate.admit(self._scope, self._receive, spec, checked)
         except GPUAdmissionError as error:
             await self._refuse(error, spec)
             raise Answered from None
         self._admission = admission
-        self._body = admission.body
+        self._body = admission.body if checked is None else None  # else the app has these bytes already
         self._state = _ADMITTED
         self._gate.lifecycle.admitted()
         cancel = self._cancel if spec.cancel_on_disconnect is None else spec.cancel_on_disconnect
@@ -205,34 +206,31 @@ class Responder:
         return admission
 
     def _defer(self, spec: RouteSpec) -> None:
-        """Leave admission to the endpoint's dependency: its ``admit()`` goes in the scope."""
+        """Leave admission to the endpoint's call or dependency (:meth:`admit`): this responder goes
+        in the scope for it, until :meth:`finish`."""
         scope = self._scope
         scope[ADMITTING_SCOPE_KEY] = True
         self._spec = spec
         self._state = _DEFERRED
+        scope[ADMIT_SCOPE_KEY] = self
 
-        async def admit() -> Admission:
-            if self._admission is not None:
-                return self._admission
-            read = self._read
-            if read is None:  # the app has not read the body: the gate does, and the app gets it replayed
-                return await self._admit(spec)
-            admission = await self._admit(spec, read)  # the body read under the gate's limits already
-            self._body = None  # the app has these bytes already
-            return admission
-
-        scope[ADMIT_SCOPE_KEY] = admit
+    async def admit(self) -> Admission:
+        """The deferred admission, once: on the body the app read (checked then), or read here and
+        replayed to the app when it had not read it."""
+        if self._admission is not None:
+            return self._admission
+        return await self._admit(self._spec, self._checked)  # type: ignore[arg-type]  # set by _defer
 
     async def _read_deferred(self) -> Message:
-        """The app's first read before its dependency admits: the whole body, under the gate's
-        limits (size, time, media type, JSON), kept for the admission to come."""
+        """The app's first read before its endpoint's call or dependency admits: the whole body,
+        checked (size, time, media type, JSON, the route's fields) and kept for the admission."""
         try:
-            body = await self._gate.read(self._scope, self._receive)
+            checked = await self._gate.check(self._scope, self._receive, self._spec)  # type: ignore[arg-type]
         except GPUAdmissionError as error:
             await self._refuse(error, self._spec)
             raise Answered from None
-        self._read = body
-        return {"type": "http.request", "body": body, "more_body": False}
+        self._checked = checked
+        return {"type": "http.request", "body": checked.body, "more_body": False}
 
     async def _refuse(self, error: GPUAdmissionError, spec: RouteSpec | None) -> None:
         """Answer the gate's refusal; from now on the app's reads raise :class:`Answered`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from types import FunctionType, MethodType
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from .._admission.spec import (
 )
 from .._admission.tenant_keys import TenantKey
 from .._estimate.linear import Estimator
+from .endpoint_call import admits_at_call, admitting
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"
 
@@ -50,7 +52,13 @@ def gpu_bound(
     tenant_key: TenantKey | Sequence[TenantKey] | None = None,
     cancel_on_disconnect: bool | None = None,
 ) -> Callable[[F], F]:
-    """Tag an endpoint as GPU-bound. Returns the function itself, so decorator order is free."""
+    """Tag an endpoint as GPU-bound.
+
+    Put it below the route decorator (``@app.post(...)`` then ``@gpu_bound()``): FastAPI then
+    admits the request when it calls the endpoint, after its dependencies (``endpoint_call``).
+    A function comes back wrapped for that. What calls it without FastAPI (Starlette's router, an
+    ``HTTPEndpoint``'s dispatch) calls the function as it is, and it is admitted at its body read.
+    """
     spec = RouteSpec(
         prompt=prompt,  # a str is normalised to a tuple in __post_init__
         max_tokens_fields=max_tokens_fields,
@@ -71,9 +79,11 @@ def gpu_bound(
     def decorate(endpoint: F) -> F:
         # Above @staticmethod/@classmethod the tag goes on the function: the descriptor's own
         # attributes are not what the class hands out.
-        target = endpoint.__func__ if isinstance(endpoint, staticmethod | classmethod) else endpoint
-        setattr(target, SPEC_ATTRIBUTE, spec)
-        return endpoint
+        if isinstance(endpoint, staticmethod | classmethod):
+            setattr(endpoint.__func__, SPEC_ATTRIBUTE, spec)
+            return endpoint
+        setattr(endpoint, SPEC_ATTRIBUTE, spec)
+        return admitting(endpoint)  # type: ignore[return-value]  # the wrapper keeps the tag (functools.wraps)
 
     return decorate
 
@@ -119,7 +129,30 @@ def bodyless_tagged_routes(app: Any) -> list[str]:
     first object that declares routes.
     """
     found: list[str] = []
-    _walk(declared_routes(app) or (), "", found)
+
+    def visit(route: Any, path: str, endpoint: Any) -> None:
+        methods = getattr(route, "methods", None) or None  # None (or empty): the route takes every method
+        bodyless = sorted(BODYLESS_METHODS if methods is None else methods & BODYLESS_METHODS)
+        tagged = [method for method in bodyless if route_spec_of(endpoint, method) is not None]
+        if tagged:
+            found.append(f"{'/'.join(sorted(methods) if methods else tagged)} {path}")
+
+    _walk(declared_routes(app) or (), "", visit)
+    return found
+
+
+def early_admitted_routes(app: Any) -> list[str]:
+    """``/path`` for each tagged FastAPI route that FastAPI cannot admit at its call, because
+    ``@gpu_bound`` sits above the route decorator (which registered the bare function): such a
+    route is admitted at its body read, before its dependencies run."""
+    found: list[str] = []
+
+    def visit(route: Any, path: str, endpoint: Any) -> None:
+        if (getattr(route, "dependant", None) is not None and inspect.isfunction(endpoint)
+                and getattr(endpoint, SPEC_ATTRIBUTE, None) is not None and not admits_at_call(endpoint)):
+            found.append(path)
+
+    _walk(declared_routes(app) or (), "", visit)
     return found
 
 
@@ -137,21 +170,17 @@ def declared_routes(app: Any) -> Iterable[Any] | None:
     return None
 
 
-def _walk(routes: Iterable[Any], prefix: str, found: list[str]) -> None:
+def _walk(routes: Iterable[Any], prefix: str, visit: Callable[[Any, str, Any], None]) -> None:
+    """``visit(route, full path, endpoint)`` for each route, through mounts, hosts and included routers."""
     for route in routes:
         included = getattr(route, "original_router", None)  # FastAPI's include_router(...)
         if included is not None:
             context = getattr(route, "include_context", None)
-            _walk(included.routes, prefix + getattr(context, "prefix", ""), found)
+            _walk(included.routes, prefix + getattr(context, "prefix", ""), visit)
             continue
         path = prefix + getattr(route, "path", "")
         children = getattr(route, "routes", None)  # Mount, Host, a mounted app
         if children is not None:
-            _walk(children, path, found)
+            _walk(children, path, visit)
         # A Route's endpoint, or what a Mount/Host writes as the endpoint (the app it holds).
-        endpoint = getattr(route, "endpoint", None) if children is None else getattr(route, "app", None)
-        methods = getattr(route, "methods", None) or None  # None (or empty): the route takes every method
-        bodyless = sorted(BODYLESS_METHODS if methods is None else methods & BODYLESS_METHODS)
-        tagged = [method for method in bodyless if route_spec_of(endpoint, method) is not None]
-        if tagged:
-            found.append(f"{'/'.join(sorted(methods) if methods else tagged)} {path}")
+        visit(route, path, getattr(route, "endpoint", None) if children is None else getattr(route, "app", None))
