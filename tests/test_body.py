@@ -40,6 +40,17 @@ async def test_an_outside_cancellation_is_not_turned_into_a_timeout() -> None:
         await task
 
 
+async def test_a_read_in_time_leaves_no_deadline_behind() -> None:
+    """The timer goes with the read: the task is not cancelled after its deadline has passed."""
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    assert await read_body(receive, 100, 0.02) == b"{}"
+    await asyncio.sleep(0.05)
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
 async def test_a_body_in_several_chunks_is_joined() -> None:
     messages = iter([{"type": "http.request", "body": b"ab", "more_body": True},
                      {"type": "http.request", "body": b"cd", "more_body": False}])

@@ -51,7 +51,16 @@ def app_with(server: Server) -> Starlette:
     async def tagged(request: Request) -> JSONResponse:
         return JSONResponse({"body": len(await request.body())})
 
-    app = Starlette(routes=[Route("/untagged", untagged, methods=["POST"]), Route("/generate", tagged, methods=["POST"])])
+    @gpu_bound()
+    async def waits(request: Request) -> JSONResponse:
+        body = await request.body()
+        await asyncio.sleep(0)  # the loop turns while the endpoint runs, as in any real generation
+        return JSONResponse({"body": len(body)})
+
+    app = Starlette(routes=[
+        Route("/untagged", untagged, methods=["POST"]), Route("/generate", tagged, methods=["POST"]),
+        Route("/waits", waits, methods=["POST"]),
+    ])
     app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(1 << 30), estimator=LinearEstimator(bytes_per_token=1))
     return app
 
@@ -83,8 +92,18 @@ async def test_a_tagged_route_still_gets_its_body_replayed_after_admission() -> 
     server = Server(body)
     await app_with(server)(http_scope("/generate"), server.receive, server.send)
     assert response_of(server) == (200, {"body": len(body)})
-    # Admission read the body once and the endpoint got the same bytes; the one call after it
-    # listens for a disconnect while the endpoint runs (cancel on disconnect, gpu_asgi._asgi.cancel).
+    # Admission read the body once and the endpoint got the same bytes. The endpoint answered
+    # without the loop turning, so no read was left pending for a disconnect.
+    assert len(server.issued) == 1
+
+
+async def test_the_disconnect_watch_reads_once_the_loop_turns_while_the_endpoint_runs() -> None:
+    """The watch's pending read (cancel on disconnect, gpu_asgi._asgi.cancel) starts at the loop's
+    next turn after admission, and the endpoint still gets the body replayed."""
+    body = json.dumps({"prompt": "hello there", "max_new_tokens": 4}).encode()
+    server = Server(body)
+    await app_with(server)(http_scope("/waits"), server.receive, server.send)
+    assert response_of(server) == (200, {"body": len(body)})
     assert len(server.issued) == 2
 
 

@@ -8,6 +8,10 @@ cancelled. The middleware absorbs that cancellation once the endpoint has unwoun
 then are the bytes released: an endpoint that waits for its device work on cancellation
 (``DeviceExecutor``, ``anyio.to_thread.run_sync``) keeps them until that work has stopped.
 
+The pending ``receive()`` starts when the loop next turns after admission, not at admission: an
+endpoint that answers without ever yielding to the loop (a cached answer, a refusal of its own)
+could not have seen a disconnect anyway, and pays a scheduled callback instead of a task.
+
 A plain ``def`` endpoint is never cancelled: it runs on a worker thread that nothing can stop,
 and cancelling the task that awaits it would only release its bytes while it still runs.
 """
@@ -15,6 +19,7 @@ and cancelling the task that awaits it would only release its bytes while it sti
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from typing import Any
 
@@ -25,7 +30,15 @@ CANCEL_MESSAGE = "gpu_asgi: the client disconnected before the response started"
 
 def cancellable(endpoint: Any) -> bool:
     """False for a synchronous function endpoint (Starlette and FastAPI run it on a thread), also
-    behind ``@gpu_bound``'s wrapper, which awaits that thread."""
+    behind ``@gpu_bound``'s wrapper, which awaits that thread. Decided once per endpoint."""
+    try:
+        return _cancellable(endpoint)
+    except TypeError:  # an unhashable endpoint: decided each time
+        return _cancellable.__wrapped__(endpoint)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cancellable(endpoint: Any) -> bool:
     endpoint = inspect.unwrap(endpoint) if inspect.isfunction(endpoint) else endpoint
     return not (inspect.isfunction(endpoint) and not inspect.iscoroutinefunction(endpoint))
 
@@ -35,13 +48,16 @@ class DisconnectWatch:
 
     __slots__ = ("_task", "fired", "response_started")
 
-    def __init__(self, pending: asyncio.Future[Message]) -> None:
+    def __init__(self) -> None:
         self._task = asyncio.current_task()
         #: Set by the responder when ``http.response.start`` goes out: too late to cancel then
         #: (a stream is the server's and Starlette's to end).
         self.response_started = False
         #: True once this watch has cancelled the task.
         self.fired = False
+
+    def follow(self, pending: asyncio.Future[Message]) -> None:
+        """Cancel the task if ``pending`` (the server's next message) is a disconnect."""
         pending.add_done_callback(self._on_message)
 
     def _on_message(self, pending: asyncio.Future[Message]) -> None:

@@ -90,7 +90,7 @@ class Responder:
 
     __slots__ = (
         "_admission", "_body", "_cancel", "_checked", "_entry_endpoint", "_gate", "_pending", "_receive", "_scope",
-        "_send", "_spec", "_state", "_style", "_watch",
+        "_send", "_spec", "_state", "_style", "_watch", "_watch_start",
     )
 
     def __init__(
@@ -116,6 +116,8 @@ class Responder:
         #: which cancels the endpoint if the client leaves before the response starts (``cancel``).
         self._pending: asyncio.Future[Message] | None = None
         self._watch: DisconnectWatch | None = None
+        #: The watch's start, scheduled for the loop's next turn after admission (see ``cancel``).
+        self._watch_start: asyncio.Handle | None = None
 
     def finish(self) -> None:
         """After the app has returned or failed: release (at most once)."""
@@ -124,6 +126,8 @@ class Responder:
         if self._admission is not None:
             self._admission.reservation.release()
             self._gate.lifecycle.finished()
+        if self._watch_start is not None:
+            self._watch_start.cancel()
         if self._pending is not None:
             self._pending.cancel()
 
@@ -143,7 +147,12 @@ class Responder:
         if state == _UNDECIDED:
             spec = self._spec if self._spec is not None else matched_spec(self._scope)
             if spec is not None:
-                if admitted_at_call(self._scope) or declares_admission(self._scope.get("route")):
+                route = self._scope.get("route")
+                # A FastAPI route (it has a ``dependant``) admits at the endpoint's call or its
+                # dependency; other routes at this read.
+                if getattr(route, "dependant", None) is not None and (
+                    admitted_at_call(self._scope) or declares_admission(route)
+                ):
                     self._defer(spec)
                     return self._read_deferred()
                 return self._admit_and_replay(spec)
@@ -169,6 +178,9 @@ class Responder:
                 return self._send(message)
             if state == _ADMITTED and self._watch is not None:
                 self._watch.response_started = True  # a stream is the server's and Starlette's to end now
+                if self._watch_start is not None:  # answered before it ever waited: no watch needed
+                    self._watch_start.cancel()
+                    self._watch_start = None
             admission = self._admission
             if state == _ADMITTED and admission.clamped_from is None and admission._meter is None:  # type: ignore[union-attr]
                 return self._send(message)  # the bytes are released at the last body chunk
@@ -195,15 +207,22 @@ class Responder:
         self._gate.lifecycle.admitted()
         cancel = self._cancel if spec.cancel_on_disconnect is None else spec.cancel_on_disconnect
         if cancel and cancellable(self._scope.get("endpoint")):
-            # The whole body is read: the server's next message can only be a disconnect.
-            self._pending = asyncio.ensure_future(self._receive())
-            self._watch = DisconnectWatch(self._pending)
+            # The whole body is read: the server's next message can only be a disconnect. It is
+            # awaited from the loop's next turn on, when the endpoint first waits for something.
+            self._watch = DisconnectWatch()
+            self._watch_start = asyncio.get_running_loop().call_soon(self._start_watch)
         state = self._scope.get("state")
         if state is None:
             self._scope["state"] = state = {}
         state[ADMISSION_STATE_KEY] = admission
         state[RESERVATION_STATE_KEY] = admission.reservation
         return admission
+
+    def _start_watch(self) -> None:
+        """Keep the server's next ``receive()`` pending, for the watch."""
+        self._watch_start = None
+        self._pending = asyncio.ensure_future(self._receive())
+        self._watch.follow(self._pending)  # type: ignore[union-attr]  # set with _watch_start
 
     def _defer(self, spec: RouteSpec) -> None:
         """Leave admission to the endpoint's call or dependency (:meth:`admit`): this responder goes
@@ -254,6 +273,9 @@ class Responder:
         # A disconnect does not release here: a model call may still be using the memory in
         # a worker thread. It ends the endpoint (Starlette cancels the stream; send() raises),
         # and finish() releases once the endpoint has really stopped.
+        if self._watch_start is not None:  # the app waits first: the watch shares its read
+            self._watch_start.cancel()
+            self._start_watch()
         pending = self._pending
         if pending is not None:  # the message the disconnect watch is waiting for
             self._pending = None
