@@ -263,3 +263,42 @@ async def test_the_timeout_bounds_a_queued_request_even_when_redis_is_slower(
     holder.release()
     await eventually(lambda: own_redis_server.ledger_state(namespace) == EMPTY, timeout=10)
     await ledger.aclose()
+
+
+async def test_releases_and_queue_exits_that_failed_while_redis_was_away_land_once_it_answers(
+    tmp_path: Any, namespace: str
+) -> None:
+    """Redis goes away (stopped with its data on disk, then back: as a failover or a restart from
+    persistence leaves it) while one worker holds a lease and another waits. The release and the
+    waiter's exit fail all their tries; Redis comes back holding both. They are sent again by the
+    first heartbeat that lands: a third request fits well within the lease TTL, which alone would
+    have freed them (30 s here), and the queue is left as nobody holds it."""
+    server = RedisServer(args=["--appendonly", "yes", "--appendfsync", "always", "--dir", str(tmp_path)]).start()
+    ledgers = [
+        RedisLedger(server.url, 100, namespace=namespace, lease_ttl=30.0, heartbeat=0.5, redis_timeout=0.3)
+        for _ in range(3)
+    ]
+    holder, waiter_side, later = ledgers
+    try:
+        held = await holder.reserve(60)
+        waiting = start(waiter_side, 80, deadline=20.0)
+        await eventually(lambda: server.ledger_state(namespace)["queued"] == 1)
+        server.stop()  # graceful: the lease and the ticket are on disk
+        held.release()  # its tries fail: Redis is away
+        with pytest.raises((LedgerUnavailable, QueueTimeout)):
+            await asyncio.wait_for(waiting, 10)  # the waiter gives up; its exit fails too
+        await eventually(lambda: all(not ledger._upkeep._tasks for ledger in (holder, waiter_side)), timeout=5)
+        assert holder._upkeep.owed_releases and waiter_side._upkeep.owed_leaves  # what Redis is owed
+        server.start()  # back, with the released lease and the abandoned ticket
+        state = server.ledger_state(namespace)
+        assert state["reserved"] == 60 and state["tickets"] >= 1, state
+        took = time.monotonic()
+        granted = await asyncio.wait_for(later.reserve(90, deadline=20.0), 15)
+        assert time.monotonic() - took < 10.0  # heartbeats and the pause after a restart, not the 30 s TTL
+        assert not holder._upkeep.owed_releases and not waiter_side._upkeep.owed_leaves
+        granted.release()
+        await eventually(lambda: server.ledger_state(namespace) == EMPTY)
+    finally:
+        for ledger in ledgers:
+            await ledger.aclose()
+        server.stop()

@@ -392,7 +392,7 @@ class RedisLedger(LedgerBase):
         except RedisDown as exc:
             if not isinstance(exc, RedisSlow):
                 self._upkeep.went_down(exc)
-            await self._upkeep.retrying(self._scripts.leave, rid, reason)
+            await self._upkeep.leaving(rid, reason)
             return None
         self._upkeep.came_up()
         return state

@@ -10,7 +10,10 @@
   admission does not wait on it (``skipping``) and the heartbeat keeps probing. A call that is
   only slow (a busy Redis, a wait for a pooled connection) marks it down only if a ``PING`` on a
   connection of its own also goes unanswered within the timeout (``probe``).
-- Releases and queue exits are tracked tasks, retried briefly; the lease TTL backs them up.
+- Releases and queue exits are tracked tasks, retried briefly. One that still fails (Redis away:
+  down, restarting, failing over) is owed: sent again by the first heartbeat that lands, so the
+  bytes and the queue's order come back as soon as Redis answers, not a lease TTL later (which
+  stays the backstop, for a process that dies first).
 - Refusals decided before any call to Redis (``exceeds-budget``, ``exceeds-tenant-quota``) are
   counted here (``Tally``) and added to Redis's counts by the next heartbeat, in the same call: a
   burst of them costs no call, and a beat that fails keeps them for the next.
@@ -110,6 +113,10 @@ class Upkeep:
         self._restoring: dict[str, asyncio.Task[None]] = {}
         #: Each lease's last change sent (shrink, grow, release), which its next one waits for.
         self._changing: dict[str, asyncio.Task[None]] = {}
+        #: Lease changes and queue exits whose tries all failed, by id: the latest of each, sent
+        #: again once a heartbeat lands (the amounts are absolute, so a repeat changes nothing).
+        self.owed_releases: dict[str, tuple[int, bool]] = {}
+        self.owed_leaves: dict[str, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
         #: The event loop this ledger serves, and its thread (releases from others are handed to it).
@@ -195,6 +202,7 @@ class Upkeep:
                 self.tally.landed(rejections)
         self.came_up()
         self.beat = beat
+        self._pay_owed()
         for rid in beat.missing:
             reservation = self.held.get(rid)
             if reservation is None or rid in self._restoring:
@@ -202,6 +210,16 @@ class Upkeep:
             if (task := self.spawn(self._restore(reservation))) is not None:
                 self._restoring[rid] = task
         return True
+
+    def _pay_owed(self) -> None:
+        """Send again what failed while Redis was away (a change sent since supersedes its owed one)."""
+        releases, self.owed_releases = self.owed_releases, {}
+        for rid, (keep, finished) in releases.items():
+            if rid not in self._changing:
+                self.release(rid, keep, finished)
+        leaves, self.owed_leaves = self.owed_leaves, {}
+        for rid, reason in leaves.items():
+            self.leave(rid, reason)
 
     async def _restore(self, reservation: Reservation) -> None:
         try:
@@ -261,24 +279,33 @@ class Upkeep:
         earlier = [task for task in (restoring, before) if task is not None]
         if earlier:  # a restore or an earlier change sent before this one must land first
             await asyncio.wait(earlier)
-        await self.retrying(self.scripts.release, rid, keep, finished)
+        self.owed_releases.pop(rid, None)  # this change supersedes an owed one
+        if not await self.retrying(self.scripts.release, rid, keep, finished):
+            self.owed_releases[rid] = (keep, finished)
 
     def leave(self, rid: str, reason: str) -> None:
         """Leave the queue, giving back a lease granted as the waiter gave up."""
-        self.spawn(self.retrying(self.scripts.leave, rid, reason))
+        self.spawn(self.leaving(rid, reason))
 
-    async def retrying(self, call: Callable[..., Awaitable[Any]], *args: Any, tries: int = RETRIES) -> None:
+    async def leaving(self, rid: str, reason: str) -> None:
+        """:meth:`leave`, awaited: owed to the next heartbeat that lands if every try fails."""
+        if not await self.retrying(self.scripts.leave, rid, reason):
+            self.owed_leaves[rid] = reason
+
+    async def retrying(self, call: Callable[..., Awaitable[Any]], *args: Any, tries: int = RETRIES) -> bool:
+        """Whether ``call(*args)`` landed within ``tries``."""
         for attempt in range(tries):
             try:
                 await call(*args)
-                return
+                return True
             except RedisDown as exc:
                 if attempt == tries - 1:
                     logger.warning(
-                        "%s%s failed %d times (%s); the lease TTL covers it", call.__name__, args, tries, exc
+                        "%s%s failed %d times (%s); sent again once Redis answers", call.__name__, args, tries, exc
                     )
                 else:
                     await asyncio.sleep(0.05 * 4**attempt)
+        return False
 
     def spawn(self, coro: Coroutine[Any, Any, _Result]) -> asyncio.Task[_Result] | None:
         try:
@@ -296,6 +323,7 @@ class Upkeep:
             for task in self._loops:  # again and again: see cancels()
                 task.cancel()
             await asyncio.wait(self._loops, timeout=0.1)
+        self._pay_owed()  # one more try for what failed while Redis was away
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=drain_timeout)
         for task in set(self._tasks):
