@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpu_asgi import BudgetLedger, Ledger, Reservation
+from gpu_asgi import DEFAULT_TENANT, BudgetLedger, Ledger, Reservation
 
 from ._asgi import settle
 from ._redis import REDIS_SERVER, RedisServer, eventually
@@ -143,3 +143,20 @@ async def heavy_backlog(
     await backend.queued(ledger, 4)
     backend.clock.advance(then)
     return holder, heavy
+
+
+class SpyLedger(Ledger):
+    """Records the tenant of every request that asks for bytes (in the flood tests, tenants are
+    API-key hashes, so a keyless request would ask as "default")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[str] = []
+
+    def try_reserve(self, nbytes: int, **options: Any) -> Reservation | None:
+        self.asked.append(options.get("tenant", DEFAULT_TENANT))
+        return super().try_reserve(nbytes, **options)
+
+    async def reserve(self, nbytes: int, **options: Any) -> Reservation:
+        self.asked.append(options.get("tenant", DEFAULT_TENANT))
+        return await super().reserve(nbytes, **options)

@@ -20,9 +20,10 @@ from starlette.endpoints import HTTPEndpoint
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gpu_asgi import DEFAULT_TENANT, GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation, TenantKey, gpu_bound
+from gpu_asgi import GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation, TenantKey, gpu_bound
 
 from ._asgi import Words, client
+from ._backends import SpyLedger
 
 BUDGET = 10_000
 SMALL = {"prompt": "hello world", "max_new_tokens": 8}
@@ -48,20 +49,6 @@ def held(request: Request) -> int:
     return reservation.nbytes
 
 
-class SpyLedger(Ledger):
-    """Records the tenant of every request that asks for bytes (tenants are API-key hashes)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.asked: list[str] = []
-
-    def try_reserve(self, nbytes: int, **options: Any) -> Reservation | None:
-        self.asked.append(options.get("tenant", DEFAULT_TENANT))
-        return super().try_reserve(nbytes, **options)
-
-    async def reserve(self, nbytes: int, **options: Any) -> Reservation:
-        self.asked.append(options.get("tenant", DEFAULT_TENANT))
-        return await super().reserve(nbytes, **options)
 
 
 # -- the shapes: each adds POST /gen to the app it is given -----------------------------------------

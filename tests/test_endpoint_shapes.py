@@ -40,6 +40,7 @@ from gpu_asgi import (
 )
 
 from ._asgi import RawClient, Words, client, http_scope, wait_until
+from ._backends import SpyLedger
 
 BUDGET = 10_000
 BYTES_PER_TOKEN = 10
@@ -288,20 +289,6 @@ async def test_with_the_dependency_the_body_read_still_gets_gpu_asgis_limits_and
     assert ledger.asked == []
 
 
-class SpyLedger(Ledger):
-    """Records the tenant of every request that asked for bytes."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.asked: list[str] = []
-
-    def try_reserve(self, nbytes: int, **options: Any) -> Reservation | None:
-        self.asked.append(options.get("tenant", DEFAULT_TENANT))
-        return super().try_reserve(nbytes, **options)
-
-    async def reserve(self, nbytes: int, **options: Any) -> Reservation:
-        self.asked.append(options.get("tenant", DEFAULT_TENANT))
-        return await super().reserve(nbytes, **options)
 
 
 async def test_a_flood_of_keyless_requests_never_queues_for_gpu_bytes() -> None:

@@ -27,7 +27,6 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from .._types import Scope
 from .dependencies import ADMIT_SCOPE_KEY, gpu_admission
 
 #: The parameter the wrapper adds: a name no endpoint has (FastAPI passes it by keyword).
@@ -89,12 +88,6 @@ def admits_at_call(endpoint: Any) -> bool:
     if endpoint is None or inspect.isfunction(endpoint) or isinstance(endpoint, type):
         return False
     return getattr(type(endpoint).__call__, ADMITS_AT_CALL, False) is True
-
-
-def admitted_at_call(scope: Scope) -> bool:
-    """Whether FastAPI (a route with a ``dependant``) will call this request's endpoint through
-    the wrapper, with the request: then the wrapper admits, and the body read only checks."""
-    return admits_at_call(scope.get("endpoint")) and getattr(scope.get("route"), "dependant", None) is not None
 
 
 def _admitting_call(endpoint: Callable[..., Any], name: str, *, drop: bool) -> Callable[..., Any]:

@@ -25,7 +25,7 @@ from .._errors import ClientClosedRequest, GPUAdmissionError
 from .._types import Message, Receive, Scope, Send
 from .cancel import DisconnectWatch, cancellable
 from .dependencies import ADMISSION_STATE_KEY, ADMIT_SCOPE_KEY, RESERVATION_STATE_KEY, declares_admission
-from .endpoint_call import admitted_at_call
+from .endpoint_call import admits_at_call
 from .problems import ProblemStyle, send_problem
 from .routes import route_spec_of
 
@@ -151,7 +151,7 @@ class Responder:
                 # A FastAPI route (it has a ``dependant``) admits at the endpoint's call or its
                 # dependency; other routes at this read.
                 if getattr(route, "dependant", None) is not None and (
-                    admitted_at_call(self._scope) or declares_admission(route)
+                    admits_at_call(self._scope.get("endpoint")) or declares_admission(route)
                 ):
                     self._defer(spec)
                     return self._read_deferred()
