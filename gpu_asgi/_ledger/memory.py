@@ -10,7 +10,7 @@ With one tenant this is plain priority-then-arrival order. The Redis ledger runs
 Lua. All state is touched only from the event loop that uses the ledger, so check-and-reserve is
 atomic without locks; releases from other threads are handed to that loop. The contract it
 implements (``BudgetLedger``, ``Reservation``, the statistics) is in ``contract``; the options,
-checks and refusals it shares with the Redis ledger in ``common``.
+checks and refusals it shares with the Redis ledger in ``base`` (``LedgerBase``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from .._errors import QueueFull, QueueTimeout
-from .common import LedgerBase, on_ledger_thread
+from .base import LedgerBase, on_ledger_thread
 from .contract import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,

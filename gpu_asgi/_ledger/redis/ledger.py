@@ -32,7 +32,7 @@ from typing import ClassVar, Literal, Self, TypeVar
 from redis.asyncio import ConnectionPool, Redis
 
 from ..._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
-from ..common import LedgerBase, on_ledger_thread
+from ..base import LedgerBase, on_ledger_thread
 from ..contract import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,

@@ -1,9 +1,10 @@
-"""What both ledgers do alike, written once: their shared options and the checks on them, the
-tenant policies, the device choice, the refusals decided before any queue (``NeverFits``,
-``OverTenantQuota``, ``DeadlineUnmeetable``) and a request's wait bounds.
+"""The base class of both ledgers, :class:`LedgerBase`: what they do alike, written once. Their
+shared options and the checks on them, the tenant policies, the device choice, the refusals
+decided before any queue (``NeverFits``, ``OverTenantQuota``, ``DeadlineUnmeetable``) and a
+request's wait bounds; and :func:`on_ledger_thread`, which hands a call to a ledger's loop.
 
-:class:`LedgerBase` is the in-process and the Redis ledger's common base; each adds its own
-state and counts its refusals (``_count_rejection``) where its statistics come from.
+The in-process and the Redis ledger each add their own state and count their refusals
+(``_count_rejection``) where their statistics come from.
 """
 
 from __future__ import annotations
