@@ -244,13 +244,13 @@ def test_the_redis_connection_options_are_exactly_the_redis_ledgers_own() -> Non
 
 
 def test_the_scripts_are_the_package_files_and_the_same_text_in_every_process() -> None:
-    from gpu_asgi._ledger.redis import lua
+    from gpu_asgi._ledger.redis import script_source
 
-    for name in lua.NAMES:
+    for name in script_source.NAMES:
         parts = ("head", "clock", "prelude", name, "epilogue")
-        assert lua.SCRIPTS[name] == "".join(lua.source(part) for part in parts)
-    digests = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in lua.SCRIPTS.items()}
-    code = "import hashlib; from gpu_asgi._ledger.redis import lua; print({n: hashlib.sha1(t.encode()).hexdigest() for n, t in lua.SCRIPTS.items()})"
+        assert script_source.SCRIPTS[name] == "".join(script_source.source(part) for part in parts)
+    digests = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in script_source.SCRIPTS.items()}
+    code = "import hashlib; from gpu_asgi._ledger.redis import script_source; print({n: hashlib.sha1(t.encode()).hexdigest() for n, t in script_source.SCRIPTS.items()})"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert other.strip() == str(digests)
 
@@ -258,13 +258,13 @@ def test_the_scripts_are_the_package_files_and_the_same_text_in_every_process() 
 def test_a_production_call_carries_no_clock() -> None:
     from redis.asyncio import Redis
 
-    from gpu_asgi._ledger.redis import lua
+    from gpu_asgi._ledger.redis import script_source
     from gpu_asgi._ledger.redis.scripts import LedgerScripts
 
     scripts = LedgerScripts(Redis(), "n", {"cuda:0": 1}, lease_ttl=3, heartbeat=1, max_bypass=1, max_queue=1, timeout=1)
     assert scripts._argv(("id", 5)) == [scripts._config, "", "id", 5]  # config, boot id, the script's own
-    assert "redis.call('TIME')" in lua.source("clock") and "ARGV" not in lua.source("clock")
-    assert all("table.remove(ARG)" not in text for text in lua.SCRIPTS.values())
+    assert "redis.call('TIME')" in script_source.source("clock") and "ARGV" not in script_source.source("clock")
+    assert all("table.remove(ARG)" not in text for text in script_source.SCRIPTS.values())
 
 
 # -- Redis: try_reserve meant "always None"; reserve_if_free asks ----------------------------------
