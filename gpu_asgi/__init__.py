@@ -32,8 +32,9 @@ from ._errors import (
 )
 from ._estimate.analytic import AnalyticEstimator
 from ._estimate.calibration import CalibratedEstimator, PeakCalibration
+from ._estimate.contract import Estimator, budget_bytes
 from ._estimate.lengths import LengthStatistics, OutputLengths
-from ._estimate.linear import Estimator, LinearEstimator, budget_bytes, calibrate, cuda_peak_measurer, fit_linear
+from ._estimate.linear import LinearEstimator, calibrate, cuda_peak_measurer, fit_linear
 from ._estimate.paged import PagedKVEstimator, paged_kv_budget
 from ._estimate.tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 from ._ledger.contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation

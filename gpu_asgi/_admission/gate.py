@@ -17,8 +17,8 @@ from opentelemetry.trace import Span, Tracer
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.sampler import DeviceSampler
 from .._errors import ClientClosedRequest, GPUAdmissionError, QueueTimeout
+from .._estimate.contract import Estimator
 from .._estimate.lengths import OutputLengths
-from .._estimate.linear import Estimator
 from .._estimate.tokens import TokenCounter, count_tokens_in_thread
 from .._ledger.contract import BudgetLedger, Reservation
 from .._ledger.tenants import DEFAULT_TENANT

@@ -24,8 +24,8 @@ from .._admission.spec import BODYLESS_METHODS, RouteSpec
 from .._admission.tenant_keys import TenantKey, tenant_keys
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.sampler import DeviceSampler
+from .._estimate.contract import Estimator, as_estimator
 from .._estimate.lengths import OutputLengths
-from .._estimate.linear import Estimator, as_estimator
 from .._estimate.tokens import HeuristicTokenCounter, TokenCounter
 from .._ledger.contract import BudgetLedger
 from .._ledger.legacy import as_budget_ledger
