@@ -41,8 +41,8 @@ from ._ledger.contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceSt
 from ._ledger.memory import Ledger
 from ._ledger.tenants import DEFAULT_TENANT, TenantPolicy, TenantStatistics
 from ._ledger.url import ledger_from_url
+from ._lifecycle import Lifecycle
 from ._observe.health import health_report, health_router
-from ._observe.lifecycle import Lifecycle
 from ._observe.metrics import GPUMetrics
 from ._observe.tracing import Phase, gpu_phase
 from ._observe.tracing_setup import configure_tracing

@@ -22,9 +22,9 @@ from .._estimate.lengths import OutputLengths
 from .._estimate.tokens import TokenCounter, count_tokens_in_thread
 from .._ledger.contract import BudgetLedger, Reservation
 from .._ledger.tenants import DEFAULT_TENANT
+from .._lifecycle import Lifecycle
 from .._observe import tracing as otel
 from .._observe.labels import tenant_label
-from .._observe.lifecycle import Lifecycle
 from .._types import Receive, Scope
 from .body import (
     MAX_BODY_SIZE_SCOPE_KEY,
