@@ -160,6 +160,40 @@ def test_a_ledger_in_todays_shape_is_used_as_it_is() -> None:
         assert GPUAdmissionMiddleware(Starlette(), ledger=ledger, estimator=LinearEstimator(1)).ledger is ledger
 
 
+class WithoutAclose:
+    """A user's ledger in the shape of the release before ``aclose`` joined the protocol: every
+    other member, each an in-process ledger's."""
+
+    def __init__(self, inner: Ledger) -> None:
+        self.inner = inner
+        self.devices, self.max_queue, self.max_wait = inner.devices, inner.max_queue, inner.max_wait
+        self.tenants, self.availability = inner.tenants, inner.availability
+        self.reserve_if_free, self.reserve, self.give_back = inner.reserve_if_free, inner.reserve, inner.give_back
+        self.retry_after, self.tenant_policy, self.statistics = inner.retry_after, inner.tenant_policy, inner.statistics
+
+
+class ClosingOldShapeLedger(OldShapeLedger):
+    closed = False
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_ledger_without_aclose_is_adapted_and_closing_it_does_nothing() -> None:
+    ledger = WithoutAclose(Ledger(100))
+    assert not isinstance(ledger, BudgetLedger)
+    with pytest.warns(DeprecationWarning, match=r"it lacks aclose\)"):
+        adapted = as_budget_ledger(ledger)
+    assert isinstance(adapted, LegacyLedger)
+    (await adapted.reserve(40, deadline=1.0)).release()
+    await adapted.aclose()
+    assert ledger.inner.statistics().reserved_bytes == 0
+    with pytest.warns(DeprecationWarning):
+        old = as_budget_ledger(ClosingOldShapeLedger(10))
+    await old.aclose()  # an old ledger's own aclose, where it has one
+    assert isinstance(old, LegacyLedger) and old.ledger.closed
+
+
 def test_the_protocol_has_no_private_member_and_one_deadline() -> None:
     members = {
         name
@@ -167,7 +201,7 @@ def test_the_protocol_has_no_private_member_and_one_deadline() -> None:
         if (callable(value) or isinstance(value, property)) and not name.startswith("__")
     }
     assert not [name for name in members if name.startswith("_")], members
-    assert {"max_wait", "max_queue", "tenants", "availability", "give_back", "reserve_if_free"} <= members
+    assert {"max_wait", "max_queue", "tenants", "availability", "give_back", "reserve_if_free", "aclose"} <= members
     reserve = inspect.signature(BudgetLedger.reserve).parameters
     assert "deadline" in reserve and "timeout" not in reserve and "wait_limit" not in reserve
 

@@ -154,6 +154,12 @@ class BudgetLedger(Protocol):
         holds); ``finished`` when it was released. Called by the reservation, from any thread."""
         ...
 
+    async def aclose(self) -> None:
+        """Let go of what the ledger keeps beyond this object (the Redis ledger: its heartbeat and
+        connections, after its pending releases land); called once, at the app's shutdown, on the
+        ledger's loop. A ledger with nothing of the kind does nothing."""
+        ...
+
 
 #: Makes a reservation's read-and-update of what it holds one step. ``shrink``/``release`` may run
 #: on a worker thread while the loop releases the same reservation (the last chunk sent, the

@@ -335,6 +335,9 @@ class Ledger(LedgerBase):
         """Count ``nbytes`` more for ``reservation``, past the budget if need be; see ``BudgetLedger``."""
         on_ledger_thread(self._loop, self._thread, self._grown, reservation.device, reservation.tenant, nbytes)
 
+    async def aclose(self) -> None:
+        """Nothing to let go of: this ledger keeps no connection and runs no task of its own."""
+
     def _grown(self, name: str, tenant: str, nbytes: int) -> None:
         # No dispatch: growing frees nothing. A device past its budget has negative free bytes, so
         # _place admits nobody on it until releases bring it back under.
