@@ -17,7 +17,7 @@ from opentelemetry.trace import Span, Tracer
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.sampler import DeviceSampler
 from .._errors import ClientClosedRequest, GPUAdmissionError, QueueTimeout
-from .._estimate.contract import Estimator
+from .._estimate.contract import Estimator, ObservingEstimator
 from .._estimate.lengths import OutputLengths
 from .._estimate.tokens import TokenCounter, count_tokens_in_thread
 from .._ledger.contract import BudgetLedger, Reservation
@@ -101,12 +101,12 @@ class Admission:
 
     def report_peak_bytes(self, nbytes: int) -> None:
         """Report the request's measured peak bytes: to the estimate-versus-actual metric, and to
-        the estimator when it learns (an ``observe`` method, as ``CalibratedEstimator`` has)."""
+        the estimator when it learns (an ``ObservingEstimator``, as ``CalibratedEstimator`` is)."""
         if self._metrics is not None:
             self._metrics.record_peak(self.device, self.estimated_bytes, nbytes)
-        observe = getattr(self._estimator, "observe", None)
-        if observe is not None:
-            observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes, sampling=self.sampling)
+        estimator = self._estimator
+        if isinstance(estimator, ObservingEstimator):
+            estimator.observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes, sampling=self.sampling)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """The contract every estimator shares, and the middleware relies on.
 
-The :class:`Estimator` protocol, the adapter for an estimator of the first documented shape
-(:func:`as_estimator`), the count check every estimator makes first, and the budget they share.
+The :class:`Estimator` protocol and :class:`ObservingEstimator` (one that learns from measured
+peaks), the adapter for an estimator of the first documented shape (:func:`as_estimator`), the
+count check every estimator makes first, and the budget they share.
 Everything an estimator counts is the *variable* cost of a request. Weights and the CUDA context
 are fixed per device and come off the budget once, in :func:`budget_bytes`; no estimator ever
 counts them. It imports no estimator.
@@ -32,12 +33,26 @@ class Estimator(Protocol):
         ...
 
 
+@runtime_checkable
+class ObservingEstimator(Estimator, Protocol):
+    """An estimator that learns from what requests really used (``CalibratedEstimator``):
+    ``Admission.report_peak_bytes`` hands it each measured peak."""
+
+    def observe(
+        self, prompt_tokens: int, max_new_tokens: int, batch: int, peak_bytes: int, *, sampling: bool | None = None
+    ) -> object:
+        """One request's measured peak, with the counts (and ``sampling``) it was estimated from.
+        What it returns (``CalibratedEstimator``: the route's factor after it) is not read."""
+        ...
+
+
 def as_estimator(estimator: Any) -> Estimator:
     """``estimator`` ready for the middleware's call ``estimate(prompt, max_new, batch, sampling=...)``.
 
     An estimator written to the first documented signature, ``estimate(prompt_tokens,
     max_new_tokens, batch)``, keeps working: it is wrapped so that ``sampling=`` is not passed to
-    it. Anything without an ``estimate()`` method is refused here, where it is declared.
+    it, nor to its ``observe(prompt_tokens, max_new_tokens, batch, peak_bytes)`` if it has one.
+    Anything without an ``estimate()`` method is refused here, where it is declared.
     """
     try:
         parameters = inspect.signature(estimator.estimate).parameters.values()
@@ -45,7 +60,10 @@ def as_estimator(estimator: Any) -> Estimator:
         raise TypeError(f"{estimator!r} is not an Estimator: it needs an estimate() method") from None
     if any(p.name == "sampling" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return estimator  # type: ignore[no-any-return]
-    return WithoutSampling(estimator)
+    # A wrapper of its own for one that learns: the wrapper's observe is then a method of its class,
+    # which is what isinstance(..., ObservingEstimator) looks for (a forwarded attribute is not, on
+    # every Python version).
+    return ObservingWithoutSampling(estimator) if isinstance(estimator, ObservingEstimator) else WithoutSampling(estimator)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +82,17 @@ class WithoutSampling:
         if name == "inner":  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+@dataclass(frozen=True, slots=True)
+class ObservingWithoutSampling(WithoutSampling):
+    """:class:`WithoutSampling` around an estimator that also learns: its ``observe`` gets no
+    ``sampling=`` either."""
+
+    def observe(
+        self, prompt_tokens: int, max_new_tokens: int, batch: int, peak_bytes: int, *, sampling: bool | None = None
+    ) -> object:
+        return self.inner.observe(prompt_tokens, max_new_tokens, batch, peak_bytes)
 
 
 def check_counts(prompt_tokens: int, max_new_tokens: int, batch: int) -> None:
