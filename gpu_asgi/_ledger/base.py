@@ -23,9 +23,13 @@ from .tenants import DEFAULT_POLICY, TenantPolicy, check_tenant_options, fixed_p
 
 
 def on_ledger_thread(loop: asyncio.AbstractEventLoop | None, thread: int, call: Callable[..., Any], *args: Any) -> None:
-    """Run ``call(*args)`` on the ledger's own loop: now when this is its thread (or it has none
-    yet, or it is closed), else handed to it; a reservation may be returned from a worker thread,
-    while the ledger's waiters and calls belong to its loop."""
+    """Run ``call(*args)``, a change of the ledger's state, where that state may be touched.
+
+    ``give_back`` and ``grow`` come from any thread (a worker's shrink, the loop's release), while
+    the ledger's waiters belong to its loop: a call from another thread is handed to that loop
+    (``call_soon_threadsafe``) and runs later. On the loop's own thread, and when the ledger has no
+    loop yet or its loop is closed (nothing else can touch the state then), it runs at once, on the
+    caller's thread."""
     if loop is not None and threading.get_ident() != thread and not loop.is_closed():
         loop.call_soon_threadsafe(call, *args)
     else:

@@ -151,7 +151,8 @@ class BudgetLedger(Protocol):
 
     def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
         """Take back ``nbytes`` of ``reservation``'s bytes (its ``nbytes`` is already what it still
-        holds); ``finished`` when it was released. Called by the reservation, from any thread."""
+        holds); ``finished`` when it was released. Called by the reservation, from any thread (not
+        only the ledger's loop): a ledger whose state lives on a loop hands the call over to it."""
         ...
 
     async def aclose(self) -> None:

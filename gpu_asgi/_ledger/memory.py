@@ -7,8 +7,9 @@ fits (within its tenant's quota) is admitted; one admitted while a head ahead of
 time, or the same and an earlier arrival) could use the same device counts as passing that head,
 and a head passed ``max_bypass`` times keeps its devices from every head behind it until it fits.
 With one tenant this is plain priority-then-arrival order. The Redis ledger runs the same rule in
-Lua. All state is touched only from the event loop that uses the ledger, so check-and-reserve is
-atomic without locks; releases from other threads are handed to that loop. The contract it
+Lua. While the ledger's event loop runs, its state is touched only from that loop, so
+check-and-reserve is atomic without locks: ``give_back`` and ``grow``, which a reservation calls
+from any thread, hand a call from another thread to that loop (``base.on_ledger_thread``). The contract it
 implements (``BudgetLedger``, ``Reservation``, the statistics) is in ``contract``; the options,
 checks and refusals it shares with the Redis ledger in ``base`` (``LedgerBase``).
 """
