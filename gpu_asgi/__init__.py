@@ -135,8 +135,8 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _DEPRECATED_ERRORS:
         warnings.warn(
-            f"gpu_asgi.{name} is deprecated and leaves gpu_asgi in the next release: the middleware answers it "
-            "itself; catch GPUAdmissionError (or AdmissionRejected) and read .reason instead",
+            f"gpu_asgi.{name} is deprecated and leaves gpu_asgi in the next release: catch GPUAdmissionError "
+            "(AdmissionRejected for a ledger's refusals) and read .reason instead",
             DeprecationWarning,
             stacklevel=2,
         )
