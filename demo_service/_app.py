@@ -109,9 +109,7 @@ def create_app(
                 warming.cancel()
                 await asyncio.gather(warming, return_exceptions=True)
         metrics.close()
-        aclose = getattr(ledger, "aclose", None)  # the Redis ledger's heartbeat and connections
-        if aclose is not None:
-            await aclose()
+        await ledger.aclose()  # the Redis ledger's heartbeat and connections
         if owned_provider is not None:
             owned_provider.shutdown()  # flush the last spans
 

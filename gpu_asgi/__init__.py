@@ -32,16 +32,17 @@ from ._errors import (
 )
 from ._estimate.analytic import AnalyticEstimator
 from ._estimate.calibration import CalibratedEstimator, PeakCalibration
+from ._estimate.contract import Estimator, budget_bytes
 from ._estimate.lengths import LengthStatistics, OutputLengths
-from ._estimate.linear import Estimator, LinearEstimator, budget_bytes, calibrate, cuda_peak_measurer, fit_linear
+from ._estimate.linear import LinearEstimator, calibrate, cuda_peak_measurer, fit_linear
 from ._estimate.paged import PagedKVEstimator, paged_kv_budget
 from ._estimate.tokens import HeuristicTokenCounter, HFTokenCounter, TokenCounter
 from ._ledger.contract import MAX_PRIORITY, MIN_PRIORITY, BudgetLedger, DeviceStatistics, LedgerStatistics, Reservation
 from ._ledger.memory import Ledger
 from ._ledger.tenants import DEFAULT_TENANT, TenantPolicy, TenantStatistics
 from ._ledger.url import ledger_from_url
+from ._lifecycle import Lifecycle
 from ._observe.health import health_report, health_router
-from ._observe.lifecycle import Lifecycle
 from ._observe.metrics import GPUMetrics
 from ._observe.tracing import Phase, gpu_phase
 from ._observe.tracing_setup import configure_tracing
@@ -134,8 +135,8 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _DEPRECATED_ERRORS:
         warnings.warn(
-            f"gpu_asgi.{name} is deprecated and leaves gpu_asgi in the next release: the middleware answers it "
-            "itself; catch GPUAdmissionError (or AdmissionRejected) and read .reason instead",
+            f"gpu_asgi.{name} is deprecated and leaves gpu_asgi in the next release: catch GPUAdmissionError "
+            "(AdmissionRejected for a ledger's refusals) and read .reason instead",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpu_asgi._ledger.redis.ledger import RedisLedger
-from gpu_asgi._ledger.redis.lua import NAMES, compose
+from gpu_asgi._ledger.redis.script_source import NAMES, compose
 from gpu_asgi._ledger.redis.scripts import LedgerScripts
 
 TEST_CLOCK = "-- Tests only: the time in ms is the call's last argument.\nlocal now = tonumber(table.remove(ARG))\n"

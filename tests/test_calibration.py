@@ -28,6 +28,7 @@ from gpu_asgi import (
     budget_bytes,
     gpu_bound,
 )
+from gpu_asgi._estimate.contract import ObservingEstimator, as_estimator
 
 from ._asgi import Words
 from .test_estimate import QWEN2_1_5B
@@ -148,6 +149,41 @@ async def test_the_endpoints_report_reaches_the_routes_calibration() -> None:
             assert response.status_code == 200
     assert seen == [10_000, 15_000]  # the second request was estimated with the learnt factor
     assert calibration.factor("generate") == 1.5
+
+
+def test_an_estimator_that_learns_is_told_apart_by_its_protocol() -> None:
+    calibrated = CalibratedEstimator(LinearEstimator(bytes_per_token=1), PeakCalibration())
+    assert isinstance(calibrated, ObservingEstimator) and isinstance(as_estimator(calibrated), ObservingEstimator)
+    assert not isinstance(LinearEstimator(bytes_per_token=1), ObservingEstimator)
+    assert not isinstance(AnalyticEstimator.from_config(QWEN2_1_5B), ObservingEstimator)
+
+
+async def test_a_report_reaches_an_estimator_of_the_first_documented_shape_without_sampling() -> None:
+    """``estimate(prompt, max_new, batch)`` and ``observe(prompt, max_new, batch, peak)``, neither
+    taking ``sampling=``: the wrapper made where it is declared still learns, and passes none."""
+    observed: list[tuple[int, int, int, int]] = []
+
+    class FirstShape:
+        def estimate(self, prompt_tokens: int, max_new_tokens: int, batch: int = 1) -> int:
+            return 1_000 * (prompt_tokens + max_new_tokens)
+
+        def observe(self, prompt_tokens: int, max_new_tokens: int, batch: int, peak_bytes: int) -> None:
+            observed.append((prompt_tokens, max_new_tokens, batch, peak_bytes))
+
+    assert isinstance(as_estimator(FirstShape()), ObservingEstimator)
+    assert not isinstance(as_estimator(LinearEstimator(bytes_per_token=1)), ObservingEstimator)
+
+    @gpu_bound()
+    async def generate(request: Request) -> JSONResponse:
+        await request.body()
+        request.state.gpu_admission.report_peak_bytes(9_000)
+        return JSONResponse({"ok": True})
+
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+    app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(10**9), estimator=FirstShape(), token_counter=Words())  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        response = await http.post("/generate", json={"prompt": "a b c", "max_new_tokens": 7, "temperature": 0.5})
+    assert response.status_code == 200 and observed == [(3, 7, 1, 9_000)]
 
 
 # -- a simulated device ---------------------------------------------------------------------

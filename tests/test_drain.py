@@ -1,5 +1,5 @@
 """The drain rate is a function of the history only: of releases and busy time, never of when or
-how often a ledger advanced it (``gpu_asgi._ledger.drain``; its Lua twin in ``_redis_lua``)."""
+how often a ledger advanced it (``gpu_asgi._ledger.drain``; its Lua twin in ``_ledger/redis/lua/prelude.lua``)."""
 
 from __future__ import annotations
 

@@ -14,14 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpu_asgi._estimate.analytic import AnalyticEstimator
-from gpu_asgi._estimate.linear import (
-    Estimator,
-    LinearEstimator,
-    budget_bytes,
-    calibrate,
-    cuda_peak_measurer,
-    fit_linear,
-)
+from gpu_asgi._estimate.contract import Estimator, budget_bytes
+from gpu_asgi._estimate.linear import LinearEstimator, calibrate, cuda_peak_measurer, fit_linear
 
 GIB = 1024**3
 # Qwen2-1.5B's config.json, trimmed to what the estimator reads.

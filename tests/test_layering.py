@@ -5,6 +5,7 @@ tool outside the repository."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpu_asgi"
 #: Top-down: a part may import only itself and the parts after it.
 ORDER = ("_vllm", "_asgi", "_admission", "_observe", "_ledger", "_device", "_estimate")
 #: Shared leaves: any part may import them, and they import no part.
-LEAVES = ("_errors", "_types")
+LEAVES = ("_errors", "_types", "_lifecycle")
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
 def module_name(path: Path) -> str:
@@ -108,6 +110,29 @@ def test_no_part_imports_upward_and_leaves_import_no_part() -> None:
 
 def test_no_import_circle() -> None:
     assert circles(graph()) == []
+
+
+def test_the_map_names_every_part_and_module() -> None:
+    """docs/architecture.md has a row per part naming each of its modules (a subpackage's as
+    ``redis/`` and its modules), and names each module outside the parts by its file."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    rows = {match[1]: match[2] for match in re.finditer(r"^\| `(_\w+)` \|(.*)$", text, re.M)}
+    assert set(rows) == set(ORDER)
+    missing = []
+    for name in modules():
+        pieces = name.split(".")[1:]
+        if not pieces or (len(pieces) == 1 and pieces[0] in ORDER):
+            continue  # the package itself, a part's own __init__
+        if pieces[0] not in ORDER:
+            file = "/".join(pieces) + ".py"
+            if f"`{file}`" not in text and f"`gpu_asgi/{file}`" not in text:
+                missing.append(file)
+            continue
+        row = rows[pieces[0]]
+        missing += [f"{pieces[0]}: {piece}" for piece in pieces[1:-1] if f"`{piece}/`" not in row]
+        if f"`{pieces[-1]}`" not in row and f"`{pieces[-1]}/`" not in row:
+            missing.append(f"{pieces[0]}: {pieces[-1]}")
+    assert missing == []
 
 
 def test_the_checks_can_fail() -> None:

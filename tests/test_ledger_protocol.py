@@ -160,6 +160,40 @@ def test_a_ledger_in_todays_shape_is_used_as_it_is() -> None:
         assert GPUAdmissionMiddleware(Starlette(), ledger=ledger, estimator=LinearEstimator(1)).ledger is ledger
 
 
+class WithoutAclose:
+    """A user's ledger in the shape of the release before ``aclose`` joined the protocol: every
+    other member, each an in-process ledger's."""
+
+    def __init__(self, inner: Ledger) -> None:
+        self.inner = inner
+        self.devices, self.max_queue, self.max_wait = inner.devices, inner.max_queue, inner.max_wait
+        self.tenants, self.availability = inner.tenants, inner.availability
+        self.reserve_if_free, self.reserve, self.give_back = inner.reserve_if_free, inner.reserve, inner.give_back
+        self.retry_after, self.tenant_policy, self.statistics = inner.retry_after, inner.tenant_policy, inner.statistics
+
+
+class ClosingOldShapeLedger(OldShapeLedger):
+    closed = False
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_ledger_without_aclose_is_adapted_and_closing_it_does_nothing() -> None:
+    ledger = WithoutAclose(Ledger(100))
+    assert not isinstance(ledger, BudgetLedger)
+    with pytest.warns(DeprecationWarning, match=r"it lacks aclose\)"):
+        adapted = as_budget_ledger(ledger)
+    assert isinstance(adapted, LegacyLedger)
+    (await adapted.reserve(40, deadline=1.0)).release()
+    await adapted.aclose()
+    assert ledger.inner.statistics().reserved_bytes == 0
+    with pytest.warns(DeprecationWarning):
+        old = as_budget_ledger(ClosingOldShapeLedger(10))
+    await old.aclose()  # an old ledger's own aclose, where it has one
+    assert isinstance(old, LegacyLedger) and old.ledger.closed
+
+
 def test_the_protocol_has_no_private_member_and_one_deadline() -> None:
     members = {
         name
@@ -167,7 +201,7 @@ def test_the_protocol_has_no_private_member_and_one_deadline() -> None:
         if (callable(value) or isinstance(value, property)) and not name.startswith("__")
     }
     assert not [name for name in members if name.startswith("_")], members
-    assert {"max_wait", "max_queue", "tenants", "availability", "give_back", "reserve_if_free"} <= members
+    assert {"max_wait", "max_queue", "tenants", "availability", "give_back", "reserve_if_free", "aclose"} <= members
     reserve = inspect.signature(BudgetLedger.reserve).parameters
     assert "deadline" in reserve and "timeout" not in reserve and "wait_limit" not in reserve
 
@@ -244,13 +278,13 @@ def test_the_redis_connection_options_are_exactly_the_redis_ledgers_own() -> Non
 
 
 def test_the_scripts_are_the_package_files_and_the_same_text_in_every_process() -> None:
-    from gpu_asgi._ledger.redis import lua
+    from gpu_asgi._ledger.redis import script_source
 
-    for name in lua.NAMES:
+    for name in script_source.NAMES:
         parts = ("head", "clock", "prelude", name, "epilogue")
-        assert lua.SCRIPTS[name] == "".join(lua.source(part) for part in parts)
-    digests = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in lua.SCRIPTS.items()}
-    code = "import hashlib; from gpu_asgi._ledger.redis import lua; print({n: hashlib.sha1(t.encode()).hexdigest() for n, t in lua.SCRIPTS.items()})"
+        assert script_source.SCRIPTS[name] == "".join(script_source.source(part) for part in parts)
+    digests = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in script_source.SCRIPTS.items()}
+    code = "import hashlib; from gpu_asgi._ledger.redis import script_source; print({n: hashlib.sha1(t.encode()).hexdigest() for n, t in script_source.SCRIPTS.items()})"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert other.strip() == str(digests)
 
@@ -258,13 +292,13 @@ def test_the_scripts_are_the_package_files_and_the_same_text_in_every_process() 
 def test_a_production_call_carries_no_clock() -> None:
     from redis.asyncio import Redis
 
-    from gpu_asgi._ledger.redis import lua
+    from gpu_asgi._ledger.redis import script_source
     from gpu_asgi._ledger.redis.scripts import LedgerScripts
 
     scripts = LedgerScripts(Redis(), "n", {"cuda:0": 1}, lease_ttl=3, heartbeat=1, max_bypass=1, max_queue=1, timeout=1)
     assert scripts._argv(("id", 5)) == [scripts._config, "", "id", 5]  # config, boot id, the script's own
-    assert "redis.call('TIME')" in lua.source("clock") and "ARGV" not in lua.source("clock")
-    assert all("table.remove(ARG)" not in text for text in lua.SCRIPTS.values())
+    assert "redis.call('TIME')" in script_source.source("clock") and "ARGV" not in script_source.source("clock")
+    assert all("table.remove(ARG)" not in text for text in script_source.SCRIPTS.values())
 
 
 # -- Redis: try_reserve meant "always None"; reserve_if_free asks ----------------------------------

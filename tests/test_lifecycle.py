@@ -1,4 +1,4 @@
-"""Drain and readiness in process (``gpu_asgi._observe.lifecycle``): both ledgers, through the
+"""Drain and readiness in process (``gpu_asgi._lifecycle``): both ledgers, through the
 middleware; the same under a real server and SIGTERM is in tests/test_sigterm.py."""
 
 from __future__ import annotations

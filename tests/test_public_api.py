@@ -38,7 +38,7 @@ def test_all_is_small_and_every_name_in_it_resolves() -> None:
 
 
 @pytest.mark.parametrize("name", DEPRECATED)
-def test_an_error_only_the_middleware_sees_left_all_but_imports_with_a_deprecation_warning(name: str) -> None:
+def test_an_error_outside_all_imports_with_a_deprecation_warning(name: str) -> None:
     from gpu_asgi import _errors
 
     assert name not in gpu_asgi.__all__

@@ -57,7 +57,8 @@ from .forming import choose_batch
 from .jobs import Generation, SequenceState
 
 BATCH_SPAN = "demo_service.batch"
-#: Padding loans come before any route's requests, and wait BORROW_TIMEOUT seconds at most.
+#: Padding loans come before any route's requests, and wait BORROW_TIMEOUT seconds at most (not at
+#: all when the ledger predicts a longer wait: the deadline rule).
 BORROW_PRIORITY = MAX_PRIORITY
 BORROW_TIMEOUT = 0.05
 #: A running batch's growth comes before everything: the device is waiting for it.
@@ -311,7 +312,8 @@ class Batcher:
 
     async def _borrow(self, nbytes: int) -> Reservation | None:
         """Padding bytes for a batch of already-admitted requests, ahead of the queue, if they come
-        free within ``BORROW_TIMEOUT`` (else None: the batch is formed without padding).
+        free within ``BORROW_TIMEOUT`` (else None, at once when the ledger predicts a longer wait or
+        refuses otherwise: the batch is formed without padding).
 
         They are reserved at the highest priority: admitted requests that batch together give
         their own bytes back sooner, which is what the queue is waiting for.

@@ -17,14 +17,14 @@ from opentelemetry.trace import Span, Tracer
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.sampler import DeviceSampler
 from .._errors import ClientClosedRequest, GPUAdmissionError, QueueTimeout
+from .._estimate.contract import Estimator, ObservingEstimator
 from .._estimate.lengths import OutputLengths
-from .._estimate.linear import Estimator
 from .._estimate.tokens import TokenCounter, count_tokens_in_thread
 from .._ledger.contract import BudgetLedger, Reservation
 from .._ledger.tenants import DEFAULT_TENANT
+from .._lifecycle import Lifecycle
 from .._observe import tracing as otel
 from .._observe.labels import tenant_label
-from .._observe.lifecycle import Lifecycle
 from .._types import Receive, Scope
 from .body import (
     MAX_BODY_SIZE_SCOPE_KEY,
@@ -101,12 +101,12 @@ class Admission:
 
     def report_peak_bytes(self, nbytes: int) -> None:
         """Report the request's measured peak bytes: to the estimate-versus-actual metric, and to
-        the estimator when it learns (an ``observe`` method, as ``CalibratedEstimator`` has)."""
+        the estimator when it learns (an ``ObservingEstimator``, as ``CalibratedEstimator`` is)."""
         if self._metrics is not None:
             self._metrics.record_peak(self.device, self.estimated_bytes, nbytes)
-        observe = getattr(self._estimator, "observe", None)
-        if observe is not None:
-            observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes, sampling=self.sampling)
+        estimator = self._estimator
+        if isinstance(estimator, ObservingEstimator):
+            estimator.observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes, sampling=self.sampling)
 
 
 @dataclass(frozen=True, slots=True)

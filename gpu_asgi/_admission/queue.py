@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from .._device.policy import DeviceGuard
 from .._device.sampler import DeviceSampler
 from .._ledger.contract import BudgetLedger, Reservation
-from .._observe.lifecycle import Lifecycle
+from .._lifecycle import Lifecycle
 from .._types import Message, Receive
 
 

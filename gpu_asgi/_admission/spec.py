@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._estimate.linear import Estimator, as_estimator
+from .._estimate.contract import Estimator, as_estimator
 from .._ledger.contract import check_priority
 from .tenant_keys import TenantKey, tenant_keys
 

@@ -13,8 +13,8 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
+from .._estimate.contract import Estimator
 from .._estimate.lengths import OutputLengths
-from .._estimate.linear import Estimator
 from .._ledger.contract import Reservation
 from .._types import Message
 

@@ -24,14 +24,14 @@ from .._admission.spec import BODYLESS_METHODS, RouteSpec
 from .._admission.tenant_keys import TenantKey, tenant_keys
 from .._device.policy import DeviceGuard, ThermalPolicy
 from .._device.sampler import DeviceSampler
+from .._estimate.contract import Estimator, as_estimator
 from .._estimate.lengths import OutputLengths
-from .._estimate.linear import Estimator, as_estimator
 from .._estimate.tokens import HeuristicTokenCounter, TokenCounter
 from .._ledger.contract import BudgetLedger
 from .._ledger.legacy import as_budget_ledger
+from .._lifecycle import Lifecycle
 from .._observe import tracing as otel
 from .._observe.labels import named_tenants
-from .._observe.lifecycle import Lifecycle
 from .._types import ASGIApp, Receive, Scope, Send
 from .problems import ProblemStyle
 from .responder import ADMITTING_SCOPE_KEY, Responder, caused_by_answer
@@ -102,7 +102,7 @@ class GPUAdmissionMiddleware:
         self.openai_errors = openai_errors  # a route's own RouteSpec.openai_errors wins
         #: Where a request's tenant is read, tried in order (a route's own RouteSpec.tenant_key wins).
         self.tenant_key = tenant_keys(tenant_key)
-        #: Readiness and drain (``_observe.lifecycle``); without one given, ready at once.
+        #: Readiness and drain (``_lifecycle``); without one given, ready at once.
         self.lifecycle = Lifecycle(ready=True) if lifecycle is None else lifecycle
         #: Cancel an admitted endpoint whose client leaves before its response starts (``cancel``);
         #: a route's own RouteSpec.cancel_on_disconnect wins.

@@ -21,7 +21,7 @@ from .._admission.spec import (
     RouteSpec,
 )
 from .._admission.tenant_keys import TenantKey
-from .._estimate.linear import Estimator
+from .._estimate.contract import Estimator
 from .endpoint_call import admits_at_call, admitting
 
 SPEC_ATTRIBUTE = "__gpu_asgi_route__"

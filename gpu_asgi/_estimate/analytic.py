@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .linear import check_counts
+from .contract import check_counts
 
 DEFAULT_DTYPE_BYTES = 2  # float16: what a config without a dtype is served in
 DEFAULT_SAMPLING_BUFFERS = 10

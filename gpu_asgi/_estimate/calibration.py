@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from .linear import Estimator, as_estimator
+from .contract import Estimator, as_estimator
 
 logger = logging.getLogger("gpu_asgi.calibration")
 

@@ -1,81 +1,22 @@
-"""Estimators: how many bytes of VRAM one request adds, and the budget they share.
+"""The linear estimator, ``batch × (fixed + per token × tokens)``, and its fit to measured peaks.
 
-The estimator contract, the linear estimator and its fit to measured peaks, and the budget
-(``AnalyticEstimator``, from a model's architecture, is in ``_analytic``). Everything an
-estimator counts is the *variable* cost of a request. Weights and the CUDA context are fixed
-per device and come off the budget once, in `budget_bytes`; no estimator ever counts them.
-torch and transformers are imported lazily so the middleware core runs with starlette alone.
+:class:`LinearEstimator`, :func:`fit_linear` (least squares that covers every sample),
+:func:`calibrate` (one measured request per prompt length, then the fit) and
+:func:`cuda_peak_measurer` (what it measures on a CUDA device). The contract it implements is in
+``contract``. torch is imported lazily so the middleware core runs with starlette alone.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-DEFAULT_UTILIZATION = 0.90
+from .contract import check_counts
+
 DEFAULT_PROMPT_LENGTHS = (16, 128, 512, 2048)
-
-
-@runtime_checkable
-class Estimator(Protocol):
-    """What the middleware asks of an estimator, per request."""
-
-    def estimate(
-        self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None
-    ) -> int:
-        """Peak bytes one request of `batch` sequences adds on top of the fixed cost.
-
-        `sampling` is what the request asked for: True (sampling), False (greedy decoding) or
-        None (it did not say: the estimator's own default). An estimator that does not tell the
-        two apart ignores it.
-        """
-        ...
-
-
-def as_estimator(estimator: Any) -> Estimator:
-    """``estimator`` ready for the middleware's call ``estimate(prompt, max_new, batch, sampling=...)``.
-
-    An estimator written to the first documented signature, ``estimate(prompt_tokens,
-    max_new_tokens, batch)``, keeps working: it is wrapped so that ``sampling=`` is not passed to
-    it. Anything without an ``estimate()`` method is refused here, where it is declared.
-    """
-    try:
-        parameters = inspect.signature(estimator.estimate).parameters.values()
-    except (AttributeError, TypeError, ValueError):
-        raise TypeError(f"{estimator!r} is not an Estimator: it needs an estimate() method") from None
-    if any(p.name == "sampling" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return estimator  # type: ignore[no-any-return]
-    return WithoutSampling(estimator)
-
-
-@dataclass(frozen=True, slots=True)
-class WithoutSampling:
-    """An estimator of the first documented shape, which takes no ``sampling=``: its estimate
-    does not depend on it. Other attributes are the wrapped estimator's."""
-
-    inner: Any
-
-    def estimate(
-        self, prompt_tokens: int, max_new_tokens: int, batch: int = 1, *, sampling: bool | None = None
-    ) -> int:
-        return int(self.inner.estimate(prompt_tokens, max_new_tokens, batch))
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-def check_counts(prompt_tokens: int, max_new_tokens: int, batch: int) -> None:
-    """Refuse a negative token count or an empty batch (both estimators check this first)."""
-    if prompt_tokens < 0 or max_new_tokens < 0:
-        raise ValueError(f"token counts must be >= 0, got {prompt_tokens=} {max_new_tokens=}")
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,28 +38,6 @@ class LinearEstimator:
     ) -> int:
         check_counts(prompt_tokens, max_new_tokens, batch)  # `sampling` does not change a linear fit
         return batch * (self.fixed_bytes + self.bytes_per_token * (prompt_tokens + max_new_tokens))
-
-
-def budget_bytes(
-    total_bytes: int,
-    *,
-    utilization: float = DEFAULT_UTILIZATION,
-    weights_bytes: int = 0,
-    runtime_overhead_bytes: int = 0,
-) -> int:
-    """Bytes left for requests: `total * utilization - weights - runtime overhead`.
-
-    The fixed costs come off the device once, here, and never per request.
-    """
-    if not 0 < utilization <= 1:
-        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
-    budget = int(total_bytes * utilization) - weights_bytes - runtime_overhead_bytes
-    if budget <= 0:
-        raise ValueError(
-            f"no budget left: {total_bytes} B x {utilization} - {weights_bytes} B weights"
-            f" - {runtime_overhead_bytes} B runtime overhead = {budget} B"
-        )
-    return budget
 
 
 def fit_linear(samples: Iterable[tuple[int, int]], *, margin: float = 0.0) -> LinearEstimator:

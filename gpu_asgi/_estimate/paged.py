@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .linear import check_counts
+from .contract import check_counts
 
 #: Blocks vLLM keeps out of every cache: block 0 is its null block (a placeholder for padding and
 #: skipped positions), so a cache of N blocks serves N - 1 (``BlockPool``: ``num_gpu_blocks - 1``).

@@ -151,7 +151,14 @@ class BudgetLedger(Protocol):
 
     def give_back(self, reservation: Reservation, nbytes: int, *, finished: bool) -> None:
         """Take back ``nbytes`` of ``reservation``'s bytes (its ``nbytes`` is already what it still
-        holds); ``finished`` when it was released. Called by the reservation, from any thread."""
+        holds); ``finished`` when it was released. Called by the reservation, from any thread (not
+        only the ledger's loop): a ledger whose state lives on a loop hands the call over to it."""
+        ...
+
+    async def aclose(self) -> None:
+        """Let go of what the ledger keeps beyond this object (the Redis ledger: its heartbeat and
+        connections, after its pending releases land); called once, at the app's shutdown, on the
+        ledger's loop. A ledger with nothing of the kind does nothing."""
         ...
 
 

@@ -3,10 +3,10 @@
 Up to 0.x a user's ledger implemented ``try_reserve`` (synchronous), ``reserve(..., timeout=,
 wait_limit=)``, ``retry_after``, ``tenant_policy``, ``statistics`` and ``_give_back``, and the
 middleware read ``max_wait``, ``max_queue``, ``tenants`` and ``available`` where a ledger had
-them. :func:`as_budget_ledger` looks at a ledger once, when the middleware (or ``/health``, or the
-metrics) is built: one in today's shape is used as it is; one in the old shape is wrapped in
-:class:`LegacyLedger`, with a ``DeprecationWarning``, for one release. Only this module probes a
-ledger for what it has.
+them; ``aclose`` joined the protocol later still. :func:`as_budget_ledger` looks at a ledger once,
+when the middleware (or ``/health``, or the metrics) is built: one in today's shape is used as it
+is; one in an older shape is wrapped in :class:`LegacyLedger`, with a ``DeprecationWarning``, for
+one release. Only this module probes a ledger for what it has.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .contract import Availability, BudgetLedger, LedgerStatistics, Reservation
 from .tenants import DEFAULT_TENANT, TenantPolicy
 
 #: What today's protocol has that an old-shape ledger may lack (``reserve``'s ``deadline`` aside).
-_MEMBERS = ("max_queue", "max_wait", "tenants", "availability", "reserve_if_free", "give_back")
+_MEMBERS = ("max_queue", "max_wait", "tenants", "availability", "reserve_if_free", "give_back", "aclose")
 
 
 def as_budget_ledger(ledger: Any) -> BudgetLedger:
@@ -52,7 +52,7 @@ class LegacyLedger:
     """Today's :class:`BudgetLedger` over a ledger in the old shape (see the module docstring).
 
     What the old ledger lacks takes the value the middleware assumed then: no ``max_queue`` or
-    ``max_wait`` bound, no named tenants, always available.
+    ``max_wait`` bound, no named tenants, always available, nothing to close.
     """
 
     def __init__(self, ledger: Any) -> None:
@@ -123,6 +123,11 @@ class LegacyLedger:
         if self._give_back is None:
             raise TypeError(f"{type(self.ledger).__qualname__} has no give_back")
         self._give_back(reservation, nbytes, finished=finished)
+
+    async def aclose(self) -> None:
+        aclose = getattr(self.ledger, "aclose", None)
+        if aclose is not None:  # else nothing to close, as the middleware assumed then
+            await aclose()
 
     def grow(self, reservation: Reservation, nbytes: int) -> None:
         grow = getattr(self.ledger, "grow", None)

@@ -7,10 +7,11 @@ fits (within its tenant's quota) is admitted; one admitted while a head ahead of
 time, or the same and an earlier arrival) could use the same device counts as passing that head,
 and a head passed ``max_bypass`` times keeps its devices from every head behind it until it fits.
 With one tenant this is plain priority-then-arrival order. The Redis ledger runs the same rule in
-Lua. All state is touched only from the event loop that uses the ledger, so check-and-reserve is
-atomic without locks; releases from other threads are handed to that loop. The contract it
+Lua. While the ledger's event loop runs, its state is touched only from that loop, so
+check-and-reserve is atomic without locks: ``give_back`` and ``grow``, which a reservation calls
+from any thread, hand a call from another thread to that loop (``base.on_ledger_thread``). The contract it
 implements (``BudgetLedger``, ``Reservation``, the statistics) is in ``contract``; the options,
-checks and refusals it shares with the Redis ledger in ``common``.
+checks and refusals it shares with the Redis ledger in ``base`` (``LedgerBase``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from .._errors import QueueFull, QueueTimeout
-from .common import LedgerBase, on_ledger_thread
+from .base import LedgerBase, on_ledger_thread
 from .contract import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,
@@ -334,6 +335,9 @@ class Ledger(LedgerBase):
     def grow(self, reservation: Reservation, nbytes: int) -> None:
         """Count ``nbytes`` more for ``reservation``, past the budget if need be; see ``BudgetLedger``."""
         on_ledger_thread(self._loop, self._thread, self._grown, reservation.device, reservation.tenant, nbytes)
+
+    async def aclose(self) -> None:
+        """Nothing to let go of: this ledger keeps no connection and runs no task of its own."""
 
     def _grown(self, name: str, tenant: str, nbytes: int) -> None:
         # No dispatch: growing frees nothing. A device past its budget has negative free bytes, so

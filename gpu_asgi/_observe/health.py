@@ -35,7 +35,7 @@ from .._device.sampler import DeviceSampler
 from .._estimate.lengths import OutputLengths
 from .._ledger.contract import BudgetLedger
 from .._ledger.legacy import as_budget_ledger
-from .lifecycle import Lifecycle
+from .._lifecycle import Lifecycle
 from .metrics import GPUMetrics
 
 OK, DEGRADED, UNAVAILABLE = "ok", "degraded", "unavailable"

@@ -159,9 +159,7 @@ class VLLMAdmission:
             if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
                 if usage is not None:
                     await usage.stop()
-                aclose = getattr(ledger, "aclose", None)  # the Redis ledger's heartbeat and connections
-                if aclose is not None:
-                    await aclose()
+                await ledger.aclose()  # the Redis ledger's heartbeat and connections
             await send(message)
 
         await admission(scope, receive, send_closing)

@@ -324,7 +324,7 @@ def predicted_waits(ledger: BudgetLedger) -> dict[asyncio.Task[Any] | None, floa
     which ``retry_after`` reads just as well; the Redis ledger on a snapshot its reserve script
     returns, which only the decision sees, so a spy on that decision reads it."""
     predictions: dict[asyncio.Task[Any] | None, float] = {}
-    decide = ledger._refuse_unmeetable  # type: ignore[attr-defined]  # both ledgers' one decision (_ledger.common)
+    decide = ledger._refuse_unmeetable  # type: ignore[attr-defined]  # both ledgers' one decision (_ledger.base)
 
     def spy(limit: float | None, release_rate: float, predict: Callable[[], float]) -> None:
         predictions[asyncio.current_task()] = predict()  # the prediction it decides on (the quota included)

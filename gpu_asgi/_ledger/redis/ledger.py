@@ -10,7 +10,7 @@ interface and semantics with one budget per device across all of them:
 - waiters are woken by pub/sub, with a slow poll as the fallback;
 - each reservation is a lease renewed by a heartbeat (``upkeep``): a crashed worker's
   bytes come back within ``lease_ttl``; a spell in which Redis ran no script (stalled, cut off)
-  ages leases one heartbeat only, since nobody could renew them (``lua``, the lease
+  ages leases one heartbeat only, since nobody could renew them (``script_source``, the lease
   clock); leases Redis lost while still held are put back;
 - Redis unreachable (or a call slower than ``redis_timeout`` and a ``PING`` on the probe's own
   connection too): :class:`~gpu_asgi.LedgerUnavailable` (503) by default, or an in-process ledger
@@ -32,7 +32,7 @@ from typing import ClassVar, Literal, Self, TypeVar
 from redis.asyncio import ConnectionPool, Redis
 
 from ..._errors import DeadlineUnmeetable, LedgerUnavailable, NeverFits, OverTenantQuota, QueueFull, QueueTimeout
-from ..common import LedgerBase, on_ledger_thread
+from ..base import LedgerBase, on_ledger_thread
 from ..contract import (
     DEFAULT_MAX_BYPASS,
     DEFAULT_MAX_QUEUE,

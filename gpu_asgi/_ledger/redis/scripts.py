@@ -18,7 +18,7 @@ from ..drain import MIN_BUSY_SPAN, RATE_WINDOW, drain_rate
 from ..fair_share import DEFAULT_TENANT_IDLE_TTL, Lead, Standing
 from ..forecast import predicted_wait
 from ..tenants import DEFAULT_POLICY, TenantPolicy, TenantStatistics
-from . import lua
+from . import script_source
 
 _KEYS = (
     "expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot", "lanes", "tenants",
@@ -138,8 +138,8 @@ class Full:
 class LedgerScripts:
     """The scripts bound to one namespace's keys; every call ends within ``timeout`` seconds."""
 
-    #: name -> script text (``lua.SCRIPTS``, the package's ``.lua`` files).
-    texts: Mapping[str, str] = lua.SCRIPTS
+    #: name -> script text (``script_source.SCRIPTS``, the package's ``.lua`` files).
+    texts: Mapping[str, str] = script_source.SCRIPTS
 
     def __init__(
         self,
@@ -165,7 +165,7 @@ class LedgerScripts:
         self.fence = f"{tag}:fence"
         self.timeout = timeout
         self.client = client
-        #: The dataset this process last saw (see lua.py: data loss); '' until the first heartbeat.
+        #: The dataset this process last saw (see script_source: data loss); '' until the first heartbeat.
         self.boot = ""
         config = {"caps": dict(capacities), "ttl": round(lease_ttl * 1000), "bypass": max_bypass, "queue": max_queue}
         config |= {"chan": self.channel, "window": RATE_WINDOW, "span": MIN_BUSY_SPAN}

@@ -235,7 +235,7 @@ class Upkeep:
         while not self.closed:
             landed = await self.refresh()
             # After a beat that did not land, the next comes half a heartbeat later: across a spell
-            # in which Redis ran no script, leases age one heartbeat (lua.py, the lease clock),
+            # in which Redis ran no script, leases age one heartbeat (script_source, the lease clock),
             # and renewing within half one of Redis serving again keeps a lease's margin.
             await asyncio.sleep(self.heartbeat if landed else self.heartbeat / 2)
 

@@ -10,6 +10,10 @@ router and the app.
 
 Everything here runs on the event loop, except :meth:`Lifecycle.install_signal_handlers`' handler,
 which only schedules the drain onto it.
+
+It is control, not observation: the gate (``_admission``) refuses and wakes requests by it, and
+health (``_observe``) reports it. So it is a shared leaf beside ``_errors`` and ``_types``, which
+any part may import; it imports no part (only the leaf ``_errors``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
 
-from .._errors import ShuttingDown
+from ._errors import ShuttingDown
 
 logger = logging.getLogger("gpu_asgi")
 

@@ -1,9 +1,10 @@
-"""What both ledgers do alike, written once: their shared options and the checks on them, the
-tenant policies, the device choice, the refusals decided before any queue (``NeverFits``,
-``OverTenantQuota``, ``DeadlineUnmeetable``) and a request's wait bounds.
+"""The base class of both ledgers, :class:`LedgerBase`: what they do alike, written once. Their
+shared options and the checks on them, the tenant policies, the device choice, the refusals
+decided before any queue (``NeverFits``, ``OverTenantQuota``, ``DeadlineUnmeetable``) and a
+request's wait bounds; and :func:`on_ledger_thread`, which hands a call to a ledger's loop.
 
-:class:`LedgerBase` is the in-process and the Redis ledger's common base; each adds its own
-state and counts its refusals (``_count_rejection``) where its statistics come from.
+The in-process and the Redis ledger each add their own state and count their refusals
+(``_count_rejection``) where their statistics come from.
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from .tenants import DEFAULT_POLICY, TenantPolicy, check_tenant_options, fixed_p
 
 
 def on_ledger_thread(loop: asyncio.AbstractEventLoop | None, thread: int, call: Callable[..., Any], *args: Any) -> None:
-    """Run ``call(*args)`` on the ledger's own loop: now when this is its thread (or it has none
-    yet, or it is closed), else handed to it; a reservation may be returned from a worker thread,
-    while the ledger's waiters and calls belong to its loop."""
+    """Run ``call(*args)``, a change of the ledger's state, where that state may be touched.
+
+    ``give_back`` and ``grow`` come from any thread (a worker's shrink, the loop's release), while
+    the ledger's waiters belong to its loop: a call from another thread is handed to that loop
+    (``call_soon_threadsafe``) and runs later. On the loop's own thread, and when the ledger has no
+    loop yet or its loop is closed (nothing else can touch the state then), it runs at once, on the
+    caller's thread."""
     if loop is not None and threading.get_ident() != thread and not loop.is_closed():
         loop.call_soon_threadsafe(call, *args)
     else:
