@@ -1,4 +1,4 @@
-"""Deadline-aware admission: ``x-request-timeout`` and ``max_client_wait`` (docs/admission.md,
+"""Deadline-aware admission: ``x-request-timeout`` and a route's ``deadline`` (docs/admission.md,
 "Deadlines"). A request that would queue longer than it is willing to wait is refused at once;
 otherwise it queues with its own, shorter timeout. Both ledgers decide alike."""
 
@@ -126,8 +126,8 @@ async def full_ledger_with_a_drain_rate() -> tuple[Ledger, Reservation]:
     [
         ("12", {}, 12.0),  # under the ledger's max_wait (30)
         ("100", {}, 30.0),  # capped by max_wait
-        ("12", {"max_client_wait": 8.0}, 8.0),  # capped by the route
-        (None, {"max_client_wait": 8.0}, 8.0),  # the route's own deadline
+        ("12", {"deadline": 8.0}, 8.0),  # capped by the route
+        (None, {"deadline": 8.0}, 8.0),  # the route's own deadline
         (None, {}, None),  # no deadline: the ledger's max_wait, as before
     ],
 )
@@ -161,7 +161,7 @@ async def test_a_predicted_wait_over_the_deadline_is_refused_at_once(reject_stat
 
 async def test_the_route_deadline_refuses_without_a_header() -> None:
     ledger, holder = await full_ledger_with_a_drain_rate()
-    response = await post(app_for(ledger, max_client_wait=2.0))
+    response = await post(app_for(ledger, deadline=2.0))
     assert response.status_code == 503 and response.json()["type"].endswith(":deadline-unmeetable")
     holder.release()
 
@@ -189,11 +189,25 @@ async def test_both_refusals_are_counted_by_reason() -> None:
     holder.release()
 
 
-def test_max_client_wait_must_be_positive_and_finite() -> None:
+def test_a_route_deadline_must_be_positive_and_finite() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="max_client_wait"):
-            RouteSpec(max_client_wait=bad)
+        with pytest.raises(ValueError, match="deadline"):
+            RouteSpec(deadline=bad)
     assert DeadlineUnmeetable.status == 503
+
+
+async def test_max_client_wait_is_the_deprecated_name_of_the_route_deadline() -> None:
+    with pytest.warns(DeprecationWarning, match="deadline="):
+        spec = RouteSpec(max_client_wait=8.0)
+    assert spec.deadline == 8.0 and spec.max_client_wait == 8.0
+    with pytest.raises(TypeError, match="deadline= alone"), pytest.warns(DeprecationWarning):
+        RouteSpec(deadline=1.0, max_client_wait=8.0)
+    ledger, holder = await full_ledger_with_a_drain_rate()
+    with pytest.warns(DeprecationWarning, match="max_client_wait"):
+        app = app_for(ledger, max_client_wait=2.0)
+    response = await post(app)  # the old name still refuses what its deadline cannot meet
+    assert response.status_code == 503 and response.json()["type"].endswith(":deadline-unmeetable")
+    holder.release()
 
 
 # -- the same decision with the Redis ledger ----------------------------------------------------------

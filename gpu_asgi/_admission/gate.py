@@ -118,7 +118,7 @@ class CheckedRequest:
     request: ParsedRequest
     #: Seconds it may wait in the queue (the route's and the client's ``x-request-timeout``;
     #: None: the ledger's ``max_wait``).
-    wait_limit: float | None
+    deadline: float | None
 
 
 def route_name(scope: Scope) -> str:
@@ -172,9 +172,6 @@ class Gate:
         self.lifecycle = Lifecycle(ready=True) if lifecycle is None else lifecycle
         #: Learned output lengths: reserve their predicted quantile, not ``max_new_tokens`` (None: strict).
         self.output_lengths = output_lengths
-        #: Requests of this gate waiting for bytes: the queue depth a new one finds, counting
-        #: those whose reserve() has not reached the ledger yet.
-        self.queued = 0
 
     async def admit(
         self, scope: Scope, receive: Receive, spec: RouteSpec, checked: CheckedRequest | None = None
@@ -219,7 +216,7 @@ class Gate:
             span.set_attributes(otel.queue_wait_attributes(
                 prompt_tokens, max_new_tokens, nbytes, batch, spec.priority, clamped_from, label
             ))
-        reservation = await self._reserve(span, nbytes, spec, receive, checked.wait_limit, tenant, label)
+        reservation = await self._reserve(span, nbytes, spec, receive, checked.deadline, tenant, label)
         meter = None
         if lengths is not None and reserved_tokens is not None:
             meter = UsageMeter(
@@ -239,8 +236,8 @@ class Gate:
         holds at that read), and what :meth:`admit` later reserves for."""
         self._start()
         try:
-            body, wait_limit = await self._read(scope, receive, spec)
-            return CheckedRequest(body, parse_request(body, spec, lambda: route_name(scope)), wait_limit)
+            body, deadline = await self._read(scope, receive, spec)
+            return CheckedRequest(body, parse_request(body, spec, lambda: route_name(scope)), deadline)
         except GPUAdmissionError as error:
             self._count_refusal(error)
             raise
@@ -263,13 +260,13 @@ class Gate:
         if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see body): the smaller applies
             max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
         raw_timeout = check_headers(scope, max_bytes)
-        wait_limit = spec.max_client_wait
+        deadline = spec.deadline
         if raw_timeout is not None:
-            wait_limit = client_wait(raw_timeout, self.ledger.max_wait if wait_limit is None else wait_limit)
+            deadline = client_wait(raw_timeout, self.ledger.max_wait if deadline is None else deadline)
         body = await read_body(receive, max_bytes, self.body_timeout)
         if body is None:  # the client left before its body was whole
             raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
-        return body, wait_limit
+        return body, deadline
 
     def _count_refusal(self, error: GPUAdmissionError) -> None:
         if self.metrics is not None and not isinstance(error, ClientClosedRequest):
@@ -299,7 +296,7 @@ class Gate:
         return max(n + prompt.known_tokens for n, prompt in zip(counts, prompts))
 
     async def _reserve(
-        self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive, wait_limit: float | None, tenant: str,
+        self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive, deadline: float | None, tenant: str,
         label: str | None,
     ) -> Reservation:
         """Reserve (or queue for) the bytes, with the device guard's checks before and after.
@@ -317,11 +314,13 @@ class Gate:
             reservation = await ledger.reserve_if_free(nbytes, devices=devices, tenant=tenant)
             if reservation is None:
                 # The deadline decision is the ledger's, at the moment it finds the request must queue.
-                depth = max(ledger.statistics().waiting, self.queued)
-                self.queued += 1
+                # The queue depth it finds: the ledger's count, or this process's own (the
+                # lifecycle's, which drain needs) where the ledger's lags behind the requests
+                # whose reserve() has not reached it yet.
+                depth = max(ledger.statistics().waiting, self.lifecycle.waiting)
                 started = time.perf_counter()
                 reservation = await wait(
-                    ledger, nbytes, devices=devices, priority=spec.priority, receive=receive, deadline=wait_limit,
+                    ledger, nbytes, devices=devices, priority=spec.priority, receive=receive, deadline=deadline,
                     tenant=tenant, lifecycle=self.lifecycle,
                 )
                 if reservation is None:
@@ -340,7 +339,6 @@ class Gate:
         finally:
             waited = 0.0
             if started:
-                self.queued -= 1
                 waited = time.perf_counter() - started
             otel.end_queue_wait(span, outcome, device=device, queue_depth=depth, wait_seconds=waited, reason=reason)
             if self.metrics is not None:

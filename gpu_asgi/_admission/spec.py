@@ -4,8 +4,9 @@ how it is estimated, queued and named), with its defaults. A value: tagging buil
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from .._estimate.contract import Estimator, as_estimator
@@ -53,18 +54,29 @@ class RouteSpec:
     chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS
     #: Refusals also carry OpenAI's ``error`` object; None follows the middleware's ``openai_errors``.
     openai_errors: bool | None = None
-    #: Seconds a request of this route waits in the queue at most, and the cap on its
-    #: ``x-request-timeout`` header; None: no deadline unless the header gives one (capped by the
-    #: ledger's ``max_wait``). With a deadline, a request whose predicted wait is longer is
+    #: The deadline of this route's requests: seconds one waits in the queue at most, and the cap
+    #: on its ``x-request-timeout`` header; None: no deadline unless the header gives one (capped
+    #: by the ledger's ``max_wait``). With a deadline, a request whose predicted wait is longer is
     #: refused at once (``deadline-unmeetable``) instead of timing out in the queue.
-    max_client_wait: float | None = None
+    deadline: float | None = None
     #: Where this route's tenant is read (tried in order); None follows the middleware's ``tenant_key``.
     tenant_key: TenantKey | Sequence[TenantKey] | None = None
     #: Cancel the endpoint when its client disconnects before the response starts; False for a
     #: route that must finish. None follows the middleware's ``cancel_on_disconnect``.
     cancel_on_disconnect: bool | None = None
+    #: The earlier name of ``deadline``, accepted for one release with a DeprecationWarning.
+    max_client_wait: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_client_wait: float | None) -> None:
+        if max_client_wait is not None:
+            warnings.warn(
+                "RouteSpec(max_client_wait=) and gpu_bound(max_client_wait=) are deprecated: pass deadline= "
+                "(the same seconds: the most a request waits in the queue, and the cap on its x-request-timeout)",
+                DeprecationWarning, stacklevel=3,
+            )
+            if self.deadline is not None:
+                raise TypeError("pass deadline= alone: max_client_wait= is its deprecated name")
+            object.__setattr__(self, "deadline", max_client_wait)
         if self.estimator is not None:
             object.__setattr__(self, "estimator", as_estimator(self.estimator))
         if isinstance(self.prompt, str):
@@ -83,8 +95,12 @@ class RouteSpec:
         object.__setattr__(self, "methods", frozenset(method.upper() for method in self.methods))
         if not self.methods or self.methods & BODYLESS_METHODS:
             raise ValueError(f"methods must be methods with a request body (admission reads it), not {sorted(self.methods)}")
-        if self.max_client_wait is not None and not 0 < self.max_client_wait < math.inf:
-            raise ValueError("max_client_wait must be a positive, finite number of seconds (or None)")
+        if self.deadline is not None and not 0 < self.deadline < math.inf:
+            raise ValueError("deadline must be a positive, finite number of seconds (or None)")
         check_priority(self.priority)  # refused when the route is declared, not on its first request
         if self.tenant_key is not None:
             object.__setattr__(self, "tenant_key", tenant_keys(self.tenant_key))
+
+
+# Read as the deprecated name; the InitVar's default stays what dataclass captured for __init__.
+RouteSpec.max_client_wait = property(lambda spec: spec.deadline, doc="The deprecated name of ``deadline``.")  # type: ignore[attr-defined]

@@ -48,9 +48,10 @@ def gpu_bound(
     devices: Sequence[str] | str | None = None,
     chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS,
     openai_errors: bool | None = None,
-    max_client_wait: float | None = None,
+    deadline: float | None = None,
     tenant_key: TenantKey | Sequence[TenantKey] | None = None,
     cancel_on_disconnect: bool | None = None,
+    max_client_wait: float | None = None,
 ) -> Callable[[F], F]:
     """Tag an endpoint as GPU-bound.
 
@@ -71,9 +72,10 @@ def gpu_bound(
         devices=devices,  # type: ignore[arg-type]  # a name or a sequence: normalised in __post_init__
         chat_template_tokens=chat_template_tokens,
         openai_errors=openai_errors,
-        max_client_wait=max_client_wait,
+        deadline=deadline,
         tenant_key=tenant_key,
         cancel_on_disconnect=cancel_on_disconnect,
+        max_client_wait=max_client_wait,  # deprecated: RouteSpec warns and takes it as the deadline
     )
 
     def decorate(endpoint: F) -> F:
