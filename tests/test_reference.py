@@ -95,6 +95,16 @@ def same_default(documented: Any, actual: Any) -> bool:
     return documented is actual or (alike and documented == actual)
 
 
+def init_only(annotation: Any) -> Any:
+    """A dataclass's init-only field (``InitVar[X]``) is a constructor parameter of type ``X``: the
+    wrapper says only that the instance keeps no attribute of it, so the docs show ``X``."""
+    if isinstance(annotation, str) and (match := re.fullmatch(r"(?:dataclasses\.)?InitVar\[(.*)\]", annotation)):
+        return match[1]
+    if isinstance(annotation, dataclasses.InitVar):
+        return annotation.type
+    return annotation
+
+
 def mismatches(line: int, text: str) -> list[str]:
     where = f"docs/reference.md:{line}"
     match = SIGNATURE.match(text)
@@ -141,7 +151,7 @@ def mismatches(line: int, text: str) -> list[str]:
     for (name, kind, annotation, default), parameter in zip(documented, parameters, strict=True):
         if kind != parameter.kind:
             problems.append(f"{where}: {name} is {parameter.kind.description}, documented {kind.description}")
-        real_annotation = parameter.annotation
+        real_annotation = init_only(parameter.annotation)
         if real_annotation is inspect.Parameter.empty:
             if annotation is not None:
                 problems.append(f"{where}: {name} has no annotation in the code")
