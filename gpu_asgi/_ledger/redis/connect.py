@@ -104,7 +104,7 @@ def redis_client(url: str, *, max_connections: int, timeout: float) -> Redis:
     sentinel_kwargs: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
     if address.sentinel_password is not None:
         sentinel_kwargs |= {"username": address.sentinel_username, "password": address.sentinel_password}
-    sentinel = Sentinel(list(address.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(list(address.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call, unused-ignore]  # typed in redis-py >= 8
     # Sentinel's pool raises when all its connections are busy; the scripts' caller waits and
     # retries then (scripts.POOL_RETRY_SECONDS), so a burst still waits its turn.
     client: Redis = sentinel.master_for(

@@ -256,7 +256,7 @@ class Upkeep:
             finally:
                 self.listening = False
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed in redis-py >= 8
             await asyncio.sleep(self.heartbeat)
 
     # -- tracked background calls -------------------------------------------------------
