@@ -28,6 +28,7 @@ from .._observe.labels import tenant_label
 from .._types import Receive, Scope
 from .body import (
     MAX_BODY_SIZE_SCOPE_KEY,
+    BodyDeadlines,
     ParsedRequest,
     check_headers,
     client_wait,
@@ -158,7 +159,8 @@ class Gate:
         self.estimator = estimator
         self.token_counter = token_counter
         self.max_body_bytes = max_body_bytes
-        self.body_timeout = body_timeout
+        #: Each body read's deadline (``body_timeout`` seconds), one timer for them all.
+        self._body_deadlines = BodyDeadlines(body_timeout)
         #: Where a request's tenant is read, tried in order (a route's own RouteSpec.tenant_key wins).
         self.tenant_key = tuple(tenant_key)
         #: Tenants that spans and metrics name; any other is "other".
@@ -172,6 +174,11 @@ class Gate:
         self.lifecycle = Lifecycle(ready=True) if lifecycle is None else lifecycle
         #: Learned output lengths: reserve their predicted quantile, not ``max_new_tokens`` (None: strict).
         self.output_lengths = output_lengths
+
+    @property
+    def body_timeout(self) -> float:
+        """Seconds a request's body may take to arrive; past them, 408 ``body-timeout``."""
+        return self._body_deadlines.timeout
 
     async def admit(
         self, scope: Scope, receive: Receive, spec: RouteSpec, checked: CheckedRequest | None = None
@@ -263,7 +270,7 @@ class Gate:
         deadline = spec.deadline
         if raw_timeout is not None:
             deadline = client_wait(raw_timeout, self.ledger.max_wait if deadline is None else deadline)
-        body = await read_body(receive, max_bytes, self.body_timeout)
+        body = await read_body(receive, max_bytes, self._body_deadlines)
         if body is None:  # the client left before its body was whole
             raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
         return body, deadline

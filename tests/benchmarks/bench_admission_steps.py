@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpu_asgi import DEFAULT_TENANT, Ledger, LinearEstimator, Reservation
-from gpu_asgi._admission.body import check_headers, parse_request, read_body
+from gpu_asgi._admission.body import BodyDeadlines, check_headers, parse_request, read_body
 from gpu_asgi._admission.gate import Gate
 from gpu_asgi._admission.spec import RouteSpec
 from gpu_asgi._estimate.tokens import HeuristicTokenCounter
@@ -91,8 +91,10 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         await bare_request()
         await whole_granting()
 
+    deadlines = BodyDeadlines(30.0)
+
     async def body() -> None:
-        await read_body(receive, 1 << 20, 30.0)
+        await read_body(receive, 1 << 20, deadlines)
 
     def span() -> None:
         started = admitting.tracer.start_span("step")
