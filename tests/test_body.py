@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from gpu_asgi import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, RouteSpec
-from gpu_asgi._admission.body import BodyDeadlines, check_headers, parse_request, read_body
+from gpu_asgi._admission.body import check_headers, parse_request, read_body
+from gpu_asgi._timers import DelayedCalls
 
 from ._asgi import http_scope
 
@@ -21,7 +22,7 @@ async def never() -> dict[str, object]:
 
 async def test_a_read_past_its_deadline_times_out_and_the_task_goes_on() -> None:
     with pytest.raises(BodyTimeout):
-        await read_body(never, 100, BodyDeadlines(0.03))
+        await read_body(never, 100, DelayedCalls(0.03))
     await asyncio.sleep(0.01)  # the timer's cancellation was its own: the task keeps running normally
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
@@ -33,7 +34,7 @@ async def test_an_outside_cancellation_is_not_turned_into_a_timeout() -> None:
         started.set()
         return await never()
 
-    task = asyncio.ensure_future(read_body(receive, 100, BodyDeadlines(10.0)))
+    task = asyncio.ensure_future(read_body(receive, 100, DelayedCalls(10.0)))
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -46,7 +47,7 @@ async def test_a_read_in_time_leaves_no_deadline_behind() -> None:
     async def receive() -> dict[str, object]:
         return {"type": "http.request", "body": b"{}", "more_body": False}
 
-    assert await read_body(receive, 100, BodyDeadlines(0.02)) == b"{}"
+    assert await read_body(receive, 100, DelayedCalls(0.02)) == b"{}"
     await asyncio.sleep(0.05)
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
@@ -58,7 +59,7 @@ async def test_a_body_in_several_chunks_is_joined() -> None:
     async def receive() -> dict[str, object]:
         return next(messages)
 
-    assert await read_body(receive, 100, BodyDeadlines(0.01)) == b"abcd"
+    assert await read_body(receive, 100, DelayedCalls(0.01)) == b"abcd"
 
 
 async def test_oversized_chunked_body_is_refused_while_reading() -> None:
@@ -68,7 +69,7 @@ async def test_oversized_chunked_body_is_refused_while_reading() -> None:
         return next(chunks)
 
     with pytest.raises(BodyTooLarge):
-        await read_body(receive, 100, BodyDeadlines(1.0))
+        await read_body(receive, 100, DelayedCalls(1.0))
 
 
 def test_deadlines_hold_on_every_event_loop_at_once() -> None:
@@ -78,7 +79,7 @@ def test_deadlines_hold_on_every_event_loop_at_once() -> None:
     def run() -> None:
         async def main() -> None:
             try:
-                await read_body(never, 100, BodyDeadlines(0.05))
+                await read_body(never, 100, DelayedCalls(0.05))
             except BodyTimeout:
                 outcomes.append("timeout")
 
@@ -95,7 +96,7 @@ def test_deadlines_hold_on_every_event_loop_at_once() -> None:
 async def test_reads_sharing_one_timer_each_expire_at_their_own_deadline() -> None:
     """One timer for all of a gate's reads: a read that ends in time takes its deadline with it,
     and those left expire in turn, each about ``timeout`` after it started, not at the first's."""
-    deadlines = BodyDeadlines(0.2)
+    deadlines = DelayedCalls(0.2)
     loop = asyncio.get_running_loop()
     ended: dict[str, float] = {}
     gate_open = asyncio.Event()
@@ -126,11 +127,11 @@ async def test_reads_sharing_one_timer_each_expire_at_their_own_deadline() -> No
 
 
 async def test_many_reads_at_once_time_out_together_and_leave_nothing_armed() -> None:
-    deadlines = BodyDeadlines(0.05)
+    deadlines = DelayedCalls(0.05)
     outcomes = await asyncio.gather(*(read_body(never, 100, deadlines) for _ in range(20)), return_exceptions=True)
     assert all(isinstance(outcome, BodyTimeout) for outcome in outcomes)
-    (reads,) = [deadlines._loops[asyncio.get_running_loop()]]
-    assert reads.reads == {} and reads.timer is None  # nothing left to expire, no timer pending
+    assert deadlines.pending() == 0
+    assert deadlines._loops[asyncio.get_running_loop()].timer is None  # nothing left to wait for
 
 
 @pytest.mark.parametrize("value", [b"+21", b"1_0", b"-4912", b" 12", b"", b"0x10", "١٢".encode()])

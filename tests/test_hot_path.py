@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -17,6 +18,7 @@ from starlette.routing import Route
 
 import gpu_asgi
 from gpu_asgi import DEFAULT_TENANT, GPUAdmissionMiddleware, Ledger, LinearEstimator, Reservation, gpu_bound
+from gpu_asgi._asgi.cancel import WATCH_DELAY
 from gpu_asgi._types import Message
 
 from ._asgi import http_scope
@@ -54,12 +56,18 @@ def app_with(server: Server) -> Starlette:
     @gpu_bound()
     async def waits(request: Request) -> JSONResponse:
         body = await request.body()
-        await asyncio.sleep(0)  # the loop turns while the endpoint runs, as in any real generation
+        await asyncio.sleep(3 * WATCH_DELAY)  # the endpoint runs on, as any real generation does
+        return JSONResponse({"body": len(body)})
+
+    @gpu_bound()
+    async def briefly(request: Request) -> JSONResponse:
+        body = await request.body()
+        await asyncio.sleep(0)  # the loop turns, but the answer comes before a watch is due
         return JSONResponse({"body": len(body)})
 
     app = Starlette(routes=[
         Route("/untagged", untagged, methods=["POST"]), Route("/generate", tagged, methods=["POST"]),
-        Route("/waits", waits, methods=["POST"]),
+        Route("/waits", waits, methods=["POST"]), Route("/briefly", briefly, methods=["POST"]),
     ])
     app.add_middleware(GPUAdmissionMiddleware, ledger=Ledger(1 << 30), estimator=LinearEstimator(bytes_per_token=1))
     return app
@@ -97,14 +105,16 @@ async def test_a_tagged_route_still_gets_its_body_replayed_after_admission() -> 
     assert len(server.issued) == 1
 
 
-async def test_the_disconnect_watch_reads_once_the_loop_turns_while_the_endpoint_runs() -> None:
-    """The watch's pending read (cancel on disconnect, gpu_asgi._asgi.cancel) starts at the loop's
-    next turn after admission, and the endpoint still gets the body replayed."""
+@pytest.mark.parametrize(("path", "reads"), [("/waits", 2), ("/briefly", 1)])
+async def test_the_disconnect_watch_reads_once_the_endpoint_has_run_for_a_moment(path: str, reads: int) -> None:
+    """The watch's pending read (cancel on disconnect, gpu_asgi._asgi.cancel) starts WATCH_DELAY
+    after admission, for an endpoint still running then (not for one that answered sooner, even
+    if it waited), and the endpoint still gets the body replayed."""
     body = json.dumps({"prompt": "hello there", "max_new_tokens": 4}).encode()
     server = Server(body)
-    await app_with(server)(http_scope("/waits"), server.receive, server.send)
+    await app_with(server)(http_scope(path), server.receive, server.send)
     assert response_of(server) == (200, {"body": len(body)})
-    assert len(server.issued) == 2
+    assert len(server.issued) == reads
 
 
 async def test_a_tagged_read_reaches_the_ledger_through_admit_and_reserve_alone() -> None:

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "gpu_asgi"
 #: Top-down: a part may import only itself and the parts after it.
 ORDER = ("_vllm", "_asgi", "_admission", "_observe", "_ledger", "_device", "_estimate")
 #: Shared leaves: any part may import them, and they import no part.
-LEAVES = ("_errors", "_types", "_lifecycle")
+LEAVES = ("_errors", "_types", "_lifecycle", "_timers")
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 

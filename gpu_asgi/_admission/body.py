@@ -11,12 +11,12 @@ import json
 import math
 import re
 import sys
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import BodyTimeout, BodyTooLarge, InvalidField, InvalidHeader, InvalidJSON, UnsupportedMediaType
+from .._timers import DelayedCalls
 from .._types import Receive, Scope
 from .spec import RouteSpec
 
@@ -38,7 +38,9 @@ REQUEST_TIMEOUT_HEADER = b"x-request-timeout"
 _DECIMAL = re.compile(rb"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
-@dataclass(frozen=True, slots=True)
+# Per-request values are plain slotted dataclasses, not frozen ones: a frozen one sets each field
+# through object.__setattr__, about 1 µs per request over these and the gate's.
+@dataclass(slots=True)
 class Prompt:
     """One sequence to generate from: text still to count plus tokens already known."""
 
@@ -46,7 +48,7 @@ class Prompt:
     known_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ParsedRequest:
     prompts: list[Prompt]
     max_new_tokens: int
@@ -95,19 +97,19 @@ def client_wait(raw: bytes, cap: float) -> float:
     return min(seconds, cap)
 
 
-async def read_body(receive: Receive, max_bytes: int, deadlines: BodyDeadlines) -> bytes | None:
+async def read_body(receive: Receive, max_bytes: int, deadlines: DelayedCalls) -> bytes | None:
     """The whole body, or None when the client disconnected while sending it; more than
-    ``max_bytes`` -> :class:`BodyTooLarge`, not all of it within ``deadlines.timeout`` s ->
-    :class:`BodyTimeout`."""
+    ``max_bytes`` -> :class:`BodyTooLarge`, not all of it within ``deadlines.delay`` s ->
+    :class:`BodyTimeout` (``deadlines``: the gate's, one timer for all its reads)."""
     chunks: list[bytes] = []
     size = 0
     # asyncio.timeout's rule (cancel the task at the deadline, and only a cancellation of ours is
-    # a timeout), with the deadline kept among the gate's others (BodyDeadlines): no context
-    # manager and no timer of its own, since this runs once per tagged request.
+    # a timeout), with the deadline kept among the gate's others: no context manager and no timer
+    # of its own, since this runs once per tagged request.
     task = asyncio.current_task()
     assert task is not None  # the gate checked for a running loop
     cancelling = task.cancelling()
-    read = deadlines.start(task)
+    expiry = deadlines.call(task.cancel)
     try:
         while True:
             message = await receive()
@@ -121,97 +123,12 @@ async def read_body(receive: Receive, max_bytes: int, deadlines: BodyDeadlines) 
             if not message.get("more_body", False):
                 break
     except asyncio.CancelledError:
-        if read.fired and task.uncancel() <= cancelling:
-            raise BodyTimeout(f"The body was not received within {deadlines.timeout:g} s.") from None
+        if expiry.fired and task.uncancel() <= cancelling:
+            raise BodyTimeout(f"The body was not received within {deadlines.delay:g} s.") from None
         raise
     finally:
-        read.end()
+        expiry.cancel()
     return b"".join(chunks)
-
-
-class BodyDeadlines:
-    """The deadlines of a gate's body reads: each read may take ``timeout`` seconds.
-
-    One timer per event loop for all the reads in progress, not one per read (a timer per read is
-    a heap entry that the loop orders, then cancels and discards: most of what a tagged request
-    costs above the least admission can do). The reads share one timeout, so they expire in the
-    order they started: the timer waits for the oldest, and is set again for the next when it
-    fires. Safe for reads on several loops at once (one per thread).
-    """
-
-    __slots__ = ("_last", "_loops", "timeout")
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        #: The loop of the last read and its reads: the one loop a server runs, without a lookup.
-        self._last: tuple[asyncio.AbstractEventLoop, _LoopReads] | None = None
-        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopReads] = weakref.WeakKeyDictionary()
-
-    def start(self, task: asyncio.Task[Any]) -> _Read:
-        """``task`` starts a read on the running loop: it is cancelled if the read outlasts ``timeout``."""
-        loop = asyncio.get_running_loop()
-        last = self._last
-        if last is None or last[0] is not loop:
-            reads = self._loops.get(loop)
-            if reads is None:
-                reads = self._loops[loop] = _LoopReads(loop)
-            self._last = last = (loop, reads)
-        return last[1].start(task, self.timeout)
-
-
-class _LoopReads:
-    """The reads in progress on one loop, oldest first, and the one timer for the oldest."""
-
-    __slots__ = ("loop", "reads", "timer")
-
-    #: A read due this close to now is expired with the others: the loop runs a timer up to its
-    #: clock's resolution early, and an earlier expiry than that is no one's concern.
-    SLACK = 1e-3
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.reads: dict[_Read, None] = {}  # insertion order is deadline order (one timeout)
-        self.timer: asyncio.TimerHandle | None = None
-
-    def start(self, task: asyncio.Task[Any], timeout: float) -> _Read:
-        read = _Read(self, task, self.loop.time() + timeout)
-        self.reads[read] = None
-        if self.timer is None:
-            self.timer = self.loop.call_at(read.at, self._expire)
-        return read
-
-    def _expire(self) -> None:
-        """Cancel every read past its deadline, then wait for the oldest one left (if any)."""
-        self.timer = None
-        due = self.loop.time() + self.SLACK
-        reads = self.reads
-        while reads:
-            read = next(iter(reads))
-            if read.at > due:
-                self.timer = self.loop.call_at(read.at, self._expire)
-                return
-            del reads[read]
-            read.fire()
-
-
-class _Read:
-    """One body read in progress: cancels its task once, at its deadline, and remembers it did."""
-
-    __slots__ = ("at", "fired", "owner", "task")
-
-    def __init__(self, owner: _LoopReads, task: asyncio.Task[Any], at: float) -> None:
-        self.owner = owner
-        self.task = task
-        self.at = at
-        self.fired = False
-
-    def fire(self) -> None:
-        self.fired = True
-        self.task.cancel()
-
-    def end(self) -> None:
-        """The read is over (in time or not): its deadline no longer applies."""
-        self.owner.reads.pop(self, None)
 
 
 def parse_request(body: bytes, spec: RouteSpec, route: Callable[[], str] | None = None) -> ParsedRequest:

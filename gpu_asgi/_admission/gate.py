@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,14 +21,15 @@ from .._estimate.contract import Estimator, ObservingEstimator
 from .._estimate.lengths import OutputLengths
 from .._estimate.tokens import TokenCounter, count_tokens_in_thread
 from .._ledger.contract import BudgetLedger, Reservation
+from .._ledger.memory import Ledger
 from .._ledger.tenants import DEFAULT_TENANT
 from .._lifecycle import Lifecycle
 from .._observe import tracing as otel
 from .._observe.labels import tenant_label
+from .._timers import DelayedCalls
 from .._types import Receive, Scope
 from .body import (
     MAX_BODY_SIZE_SCOPE_KEY,
-    BodyDeadlines,
     ParsedRequest,
     check_headers,
     client_wait,
@@ -49,10 +50,12 @@ ASYNCIO_ONLY = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, though read-only: a frozen dataclass sets each field through object.__setattr__, a
+# microsecond per request for these 14. unsafe_hash keeps the hash a frozen one had.
+@dataclass(slots=True, unsafe_hash=True)
 class Admission:
     """What admission decided for one request; the endpoint reads it from ``request.state``
-    (or ``Depends(gpu_admission)``)."""
+    (or ``Depends(gpu_admission)``). Treat it as read-only."""
 
     reservation: Reservation
     prompt_tokens: int
@@ -110,7 +113,7 @@ class Admission:
             estimator.observe(self.prompt_tokens, self.max_new_tokens, self.batch, nbytes, sampling=self.sampling)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CheckedRequest:
     """A request that passed every check that needs no GPU bytes: headers, body size and time,
     JSON, the route's fields. Admission estimates and reserves from it."""
@@ -160,7 +163,7 @@ class Gate:
         self.token_counter = token_counter
         self.max_body_bytes = max_body_bytes
         #: Each body read's deadline (``body_timeout`` seconds), one timer for them all.
-        self._body_deadlines = BodyDeadlines(body_timeout)
+        self._body_deadlines = DelayedCalls(body_timeout)
         #: Where a request's tenant is read, tried in order (a route's own RouteSpec.tenant_key wins).
         self.tenant_key = tuple(tenant_key)
         #: Tenants that spans and metrics name; any other is "other".
@@ -174,11 +177,17 @@ class Gate:
         self.lifecycle = Lifecycle(ready=True) if lifecycle is None else lifecycle
         #: Learned output lengths: reserve their predicted quantile, not ``max_new_tokens`` (None: strict).
         self.output_lengths = output_lengths
+        #: The in-process ledger's answer needs no round trip: its ``try_reserve``, which its
+        #: ``reserve_if_free`` only wraps in a coroutine (a subclass that overrides that is asked as such).
+        self._reserve_at_once: Callable[..., Reservation | None] | None = (
+            ledger.try_reserve if isinstance(ledger, Ledger) and type(ledger).reserve_if_free is Ledger.reserve_if_free
+            else None
+        )
 
     @property
     def body_timeout(self) -> float:
         """Seconds a request's body may take to arrive; past them, 408 ``body-timeout``."""
-        return self._body_deadlines.timeout
+        return self._body_deadlines.delay
 
     async def admit(
         self, scope: Scope, receive: Receive, spec: RouteSpec, checked: CheckedRequest | None = None
@@ -199,7 +208,9 @@ class Gate:
         try:
             request = checked.request
             max_new_tokens, clamped_from = self._clamped(request.max_new_tokens, spec)
-            prompt_tokens = await self._count(request)
+            prompt_tokens = self._count_inline(request)
+            if prompt_tokens is None:
+                prompt_tokens = await self._count_in_thread(request)
             batch = len(request.prompts) * request.n
             estimator = spec.estimator or self.estimator
             keys = self.tenant_key if spec.tenant_key is None else spec.tenant_key
@@ -243,7 +254,17 @@ class Gate:
         holds at that read), and what :meth:`admit` later reserves for."""
         self._start()
         try:
-            body, deadline = await self._read(scope, receive, spec)
+            # Everything the headers alone refuse is refused before a byte is read.
+            max_bytes = self.max_body_bytes
+            if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see body): the smaller applies
+                max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
+            raw_timeout = check_headers(scope, max_bytes)
+            deadline = spec.deadline
+            if raw_timeout is not None:
+                deadline = client_wait(raw_timeout, self.ledger.max_wait if deadline is None else deadline)
+            body = await read_body(receive, max_bytes, self._body_deadlines)
+            if body is None:  # the client left before its body was whole
+                raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
             return CheckedRequest(body, parse_request(body, spec, lambda: route_name(scope)), deadline)
         except GPUAdmissionError as error:
             self._count_refusal(error)
@@ -260,21 +281,6 @@ class Gate:
         if self.sampler is not None:
             self.sampler.ensure_started()
 
-    async def _read(self, scope: Scope, receive: Receive, spec: RouteSpec) -> tuple[bytes, float | None]:
-        """The whole body under the limits, and the seconds the request may wait in the queue.
-        Everything the headers alone refuse is refused before a byte is read."""
-        max_bytes = self.max_body_bytes
-        if MAX_BODY_SIZE_SCOPE_KEY in scope:  # a Starlette route's own limit (see body): the smaller applies
-            max_bytes = min(max_bytes, scope[MAX_BODY_SIZE_SCOPE_KEY])
-        raw_timeout = check_headers(scope, max_bytes)
-        deadline = spec.deadline
-        if raw_timeout is not None:
-            deadline = client_wait(raw_timeout, self.ledger.max_wait if deadline is None else deadline)
-        body = await read_body(receive, max_bytes, self._body_deadlines)
-        if body is None:  # the client left before its body was whole
-            raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
-        return body, deadline
-
     def _count_refusal(self, error: GPUAdmissionError) -> None:
         if self.metrics is not None and not isinstance(error, ClientClosedRequest):
             self.metrics.record_rejection(error.reason)
@@ -290,17 +296,21 @@ class Gate:
             self.metrics.record_clamp()
         return limit, max_new_tokens
 
-    async def _count(self, request: ParsedRequest) -> int:
-        """Prompt tokens of the longest sequence; long texts are counted in a thread."""
+    def _count_inline(self, request: ParsedRequest) -> int | None:
+        """Prompt tokens of the longest sequence, counted here while the texts are short; None
+        when they are too long to count without holding the event loop up."""
         prompts, counter = request.prompts, self.token_counter
-        if len(prompts) == 1 and len(prompts[0].text) <= counter.inline_limit:
-            return counter.count(prompts[0].text) + prompts[0].known_tokens
-        texts = [prompt.text for prompt in prompts]
-        if sum(map(len, texts)) <= counter.inline_limit:
-            counts = [counter.count(text) for text in texts]
-        else:
-            counts = await count_tokens_in_thread(counter, texts)
-        return max(n + prompt.known_tokens for n, prompt in zip(counts, prompts))
+        if len(prompts) == 1:
+            prompt = prompts[0]
+            return counter.count(prompt.text) + prompt.known_tokens if len(prompt.text) <= counter.inline_limit else None
+        if sum(len(prompt.text) for prompt in prompts) > counter.inline_limit:
+            return None
+        return max(counter.count(prompt.text) + prompt.known_tokens for prompt in prompts)
+
+    async def _count_in_thread(self, request: ParsedRequest) -> int:
+        """Prompt tokens of the longest sequence, counted in a worker thread."""
+        counts = await count_tokens_in_thread(self.token_counter, [prompt.text for prompt in request.prompts])
+        return max(n + prompt.known_tokens for n, prompt in zip(counts, request.prompts, strict=True))
 
     async def _reserve(
         self, span: Span, nbytes: int, spec: RouteSpec, receive: Receive, deadline: float | None, tenant: str,
@@ -318,7 +328,11 @@ class Gate:
             devices = spec.devices
             if guard is not None:
                 devices = trusted_devices(guard, sampler, ledger, devices, nbytes, tenant)  # type: ignore[arg-type]
-            reservation = await ledger.reserve_if_free(nbytes, devices=devices, tenant=tenant)
+            at_once = self._reserve_at_once
+            if at_once is not None:
+                reservation = at_once(nbytes, devices=devices, tenant=tenant)
+            else:
+                reservation = await ledger.reserve_if_free(nbytes, devices=devices, tenant=tenant)
             if reservation is None:
                 # The deadline decision is the ledger's, at the moment it finds the request must queue.
                 # The queue depth it finds: the ledger's count, or this process's own (the

@@ -8,9 +8,11 @@ cancelled. The middleware absorbs that cancellation once the endpoint has unwoun
 then are the bytes released: an endpoint that waits for its device work on cancellation
 (``DeviceExecutor``, ``anyio.to_thread.run_sync``) keeps them until that work has stopped.
 
-The pending ``receive()`` starts when the loop next turns after admission, not at admission: an
-endpoint that answers without ever yielding to the loop (a cached answer, a refusal of its own)
-could not have seen a disconnect anyway, and pays a scheduled callback instead of a task.
+The pending ``receive()`` starts :data:`WATCH_DELAY` after admission, not at admission: an
+endpoint that answers sooner (a cached answer, a refusal of its own, anything short of a
+generation) never needs one, and pays an entry among the delayed calls (``gpu_asgi._timers``,
+one timer per loop for all of them) instead of a task and a callback of its own. A client that
+leaves in that moment is noticed when it ends: the watch's first read returns the disconnect.
 
 A plain ``def`` endpoint is never cancelled: it runs on a worker thread that nothing can stop,
 and cancelling the task that awaits it would only release its bytes while it still runs.
@@ -21,11 +23,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
+from .._timers import DelayedCall, DelayedCalls
 from .._types import Message
 
 CANCEL_MESSAGE = "gpu_asgi: the client disconnected before the response started"
+#: Seconds from admission to the start of the watch's pending ``receive()``: the most a disconnect
+#: in that moment waits to be noticed, against a generation's seconds.
+WATCH_DELAY = 0.02
+_watch_starts = DelayedCalls(WATCH_DELAY)
+
+
+def start_watch_later(start: Callable[[], object]) -> DelayedCall:
+    """Call ``start`` (it starts a watch's pending read) :data:`WATCH_DELAY` from now, unless cancelled."""
+    return _watch_starts.call(start)
 
 
 def cancellable(endpoint: Any) -> bool:

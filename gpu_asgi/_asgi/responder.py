@@ -22,8 +22,9 @@ from .._admission.gate import Admission, CheckedRequest, Gate, route_name
 from .._admission.spec import RouteSpec
 from .._device.policy import CLAMPED_HEADER
 from .._errors import ClientClosedRequest, GPUAdmissionError
+from .._timers import DelayedCall
 from .._types import Message, Receive, Scope, Send
-from .cancel import DisconnectWatch, cancellable
+from .cancel import DisconnectWatch, cancellable, start_watch_later
 from .dependencies import ADMISSION_STATE_KEY, ADMIT_SCOPE_KEY, RESERVATION_STATE_KEY, declares_admission
 from .endpoint_call import admits_at_call
 from .problems import ProblemStyle, send_problem
@@ -55,6 +56,10 @@ class Answered(BaseException):
     Starlette's error middleware, the endpoint's own code) turns it into a 500 and a logged
     traceback, or carries on unadmitted.
     """
+
+
+async def _already(admission: Admission) -> Admission:
+    return admission
 
 
 def caused_by_answer(error: BaseException) -> bool:
@@ -116,8 +121,8 @@ class Responder:
         #: which cancels the endpoint if the client leaves before the response starts (``cancel``).
         self._pending: asyncio.Future[Message] | None = None
         self._watch: DisconnectWatch | None = None
-        #: The watch's start, scheduled for the loop's next turn after admission (see ``cancel``).
-        self._watch_start: asyncio.Handle | None = None
+        #: The watch's start, due a moment after admission (``cancel.WATCH_DELAY``).
+        self._watch_start: DelayedCall | None = None
 
     def finish(self) -> None:
         """After the app has returned or failed: release (at most once)."""
@@ -178,7 +183,7 @@ class Responder:
                 return self._send(message)
             if state == _ADMITTED and self._watch is not None:
                 self._watch.response_started = True  # a stream is the server's and Starlette's to end now
-                if self._watch_start is not None:  # answered before it ever waited: no watch needed
+                if self._watch_start is not None:  # answered before the watch was due: none needed
                     self._watch_start.cancel()
                     self._watch_start = None
             admission = self._admission
@@ -208,9 +213,9 @@ class Responder:
         cancel = self._cancel if spec.cancel_on_disconnect is None else spec.cancel_on_disconnect
         if cancel and cancellable(self._scope.get("endpoint")):
             # The whole body is read: the server's next message can only be a disconnect. It is
-            # awaited from the loop's next turn on, when the endpoint first waits for something.
+            # awaited from a moment after admission on, if the endpoint has not answered by then.
             self._watch = DisconnectWatch()
-            self._watch_start = asyncio.get_running_loop().call_soon(self._start_watch)
+            self._watch_start = start_watch_later(self._start_watch)
         state = self._scope.get("state")
         if state is None:
             self._scope["state"] = state = {}
@@ -233,12 +238,12 @@ class Responder:
         self._state = _DEFERRED
         scope[ADMIT_SCOPE_KEY] = self
 
-    async def admit(self) -> Admission:
+    def admit(self) -> Awaitable[Admission]:
         """The deferred admission, once: on the body the app read (checked then), or read here and
-        replayed to the app when it had not read it."""
+        replayed to the app when it had not read it. (The gate's own coroutine, not one around it.)"""
         if self._admission is not None:
-            return self._admission
-        return await self._admit(self._spec, self._checked)  # type: ignore[arg-type]  # set by _defer
+            return _already(self._admission)
+        return self._admit(self._spec, self._checked)  # type: ignore[arg-type]  # set by _defer
 
     async def _read_deferred(self) -> Message:
         """The app's first read before its endpoint's call or dependency admits: the whole body,

@@ -26,11 +26,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpu_asgi import DEFAULT_TENANT, Ledger, LinearEstimator, Reservation
-from gpu_asgi._admission.body import BodyDeadlines, check_headers, parse_request, read_body
+from gpu_asgi._admission.body import check_headers, parse_request, read_body
 from gpu_asgi._admission.gate import Gate
 from gpu_asgi._admission.spec import RouteSpec
 from gpu_asgi._estimate.tokens import HeuristicTokenCounter
 from gpu_asgi._observe.tracing import get_tracer
+from gpu_asgi._timers import DelayedCalls
 
 from ._report import table, write_report
 from .bench_overhead import BODY, build, scope_for
@@ -91,7 +92,7 @@ async def run(requests: int, rounds: int) -> dict[str, float]:
         await bare_request()
         await whole_granting()
 
-    deadlines = BodyDeadlines(30.0)
+    deadlines = DelayedCalls(30.0)
 
     async def body() -> None:
         await read_body(receive, 1 << 20, deadlines)
