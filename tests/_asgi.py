@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,15 @@ class RawClient:
             if message["type"] == "http.response.start":
                 return dict(message["headers"]).get(name)
         return None
+
+
+def in_threads(target: Callable[[], object], count: int, timeout: float) -> None:
+    """Run ``target`` in ``count`` threads at once (each its own event loop, as ``asyncio.run`` makes)."""
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
 
 
 async def settle(rounds: int = 20) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import pytest
 
@@ -12,7 +11,7 @@ from gpu_asgi import BodyTimeout, BodyTooLarge, InvalidField, InvalidJSON, Route
 from gpu_asgi._admission.body import check_headers, parse_request, read_body
 from gpu_asgi._timers import DelayedCalls
 
-from ._asgi import http_scope
+from ._asgi import http_scope, in_threads
 
 
 async def never() -> dict[str, object]:
@@ -85,11 +84,7 @@ def test_deadlines_hold_on_every_event_loop_at_once() -> None:
 
         asyncio.run(asyncio.wait_for(main(), 5))
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
+    in_threads(run, 2, 10)
     assert outcomes == ["timeout", "timeout"]
 
 

@@ -34,7 +34,7 @@ from gpu_asgi import (
 )
 from gpu_asgi._admission import body as _body
 
-from ._asgi import RawClient, client, http_scope, local_hf_tokenizer, settle, wait_until
+from ._asgi import RawClient, client, http_scope, in_threads, local_hf_tokenizer, settle, wait_until
 
 ONE_BYTE_PER_TOKEN = LinearEstimator(bytes_per_token=1)
 
@@ -824,11 +824,7 @@ def test_one_middleware_on_two_event_loops_times_out_slow_bodies_on_both() -> No
 
         asyncio.run(main())
 
-    threads = [threading.Thread(target=serve_one) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(15)
+    in_threads(serve_one, 2, 15)
     assert statuses == [408, 408]
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
 from gpu_asgi._timers import DelayedCalls
+
+from ._asgi import in_threads
 
 
 async def test_each_call_is_made_its_delay_after_it_was_asked_for_unless_cancelled() -> None:
@@ -67,9 +68,5 @@ def test_calls_on_several_loops_at_once_each_run_on_their_own_loop() -> None:
 
         asyncio.run(main())
 
-    threads = [threading.Thread(target=run) for _ in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
+    in_threads(run, 3, 10)
     assert ran_on == [True, True, True]
