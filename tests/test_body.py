@@ -91,7 +91,7 @@ def test_deadlines_hold_on_every_event_loop_at_once() -> None:
 async def test_reads_sharing_one_timer_each_expire_at_their_own_deadline() -> None:
     """One timer for all of a gate's reads: a read that ends in time takes its deadline with it,
     and those left expire in turn, each about ``timeout`` after it started, not at the first's."""
-    deadlines = DelayedCalls(0.2)
+    deadlines = DelayedCalls(0.4)
     loop = asyncio.get_running_loop()
     ended: dict[str, float] = {}
     gate_open = asyncio.Event()
@@ -117,8 +117,8 @@ async def test_reads_sharing_one_timer_each_expire_at_their_own_deadline() -> No
     gate_open.set()  # the first ends in time, before its deadline; the second must still expire
     assert await first == "read"
     assert await second == "timeout"
-    assert 0.18 <= ended["second"] < 0.6, ended  # its own 0.2 s, not the first's deadline
-    assert ended["first"] < 0.2
+    assert 0.39 <= ended["second"] < 1.5, ended  # its own 0.4 s, not the first's deadline
+    assert ended["first"] < 0.4
 
 
 async def test_many_reads_at_once_time_out_together_and_leave_nothing_armed() -> None:

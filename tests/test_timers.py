@@ -12,18 +12,19 @@ from ._asgi import in_threads
 
 async def test_each_call_is_made_its_delay_after_it_was_asked_for_unless_cancelled() -> None:
     loop = asyncio.get_running_loop()
-    calls = DelayedCalls(0.1)
+    calls = DelayedCalls(0.2)
     made: dict[str, float] = {}
     asked = loop.time()
     calls.call(lambda: made.setdefault("first", loop.time() - asked))
     cancelled = calls.call(lambda: made.setdefault("cancelled", loop.time() - asked))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)
     second = calls.call(lambda: made.setdefault("second", loop.time() - asked))
     cancelled.cancel()
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(1.0)
     assert set(made) == {"first", "second"}
-    assert 0.09 <= made["first"] < 0.14, made
-    assert 0.14 <= made["second"] < 0.25, made  # its own delay, not the first's moment
+    # Timers never fire early; on a busy machine they may fire late, hence the wide upper bounds.
+    assert 0.199 <= made["first"] < 0.6, made
+    assert 0.299 <= made["second"] < 0.9, made  # its own delay, not the first's moment
     assert second.fired and not cancelled.fired
     assert calls.pending() == 0
 
