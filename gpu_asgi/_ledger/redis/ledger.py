@@ -48,6 +48,7 @@ from ..fair_share import DEFAULT_TENANT_IDLE_TTL
 from ..memory import Ledger
 from ..tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 from .connect import is_sentinel_url, redis_client
+from .primary import SentinelPrimary
 from .scripts import Beat, Full, LedgerScripts, RedisDown, RedisSlow
 from .upkeep import RETRIES, Upkeep, cancels
 
@@ -157,6 +158,8 @@ class RedisLedger(LedgerBase):
         if isinstance(redis, str):  # one immediate retry reconnects after a restart or a failover
             redis = redis_client(redis, max_connections=max_connections, timeout=redis_timeout)
         self._client = redis
+        #: Behind Sentinel, who is the primary now: a grant from any other server is never used.
+        self._primary = SentinelPrimary.of(redis)
         self._scripts = self.scripts_type(
             redis,
             namespace,
@@ -247,7 +250,7 @@ class RedisLedger(LedgerBase):
         try:
             state, device = await self._scripts.reserve(rid, nbytes, names, 0, tenant, "try")
             if state == "granted":
-                await self._replicated()
+                await self._confirmed(rid)
             settled = True
         except RedisDown as exc:
             if not isinstance(exc, RedisSlow):
@@ -319,7 +322,7 @@ class RedisLedger(LedgerBase):
                         raise RedisDown(upkeep.down)
                     granted = upkeep.grants.pop(rid, None)  # the wake-up names the device: no round trip
                     state, detail = ("granted", granted) if granted else await self._ask(self._scripts.claim(rid))
-            await self._replicated()
+            await self._confirmed(rid)
             settled = True
             return self._hold(Reservation(self, rid, detail, nbytes, loop.time() - start, tenant))
         except (DeadlineUnmeetable, QueueFull):
@@ -447,16 +450,25 @@ class RedisLedger(LedgerBase):
         """A refusal decided before any call to Redis: counted here, added to Redis by the next heartbeat."""
         self._upkeep.tally.count(reason)
 
-    async def _replicated(self) -> None:
-        """With ``replicas``: return once that many replicas have the grant just made, else raise
-        ``RedisDown``: a grant a failover could lose, or one an old primary made after a replica
-        was promoted in its place, is given back, never used."""
-        if self.replicas:
-            acked = await self._scripts.replicated(self.replicas)
-            if acked < self.replicas:
-                raise RedisDown(
-                    f"{acked} of {self.replicas} replica(s) acknowledged the grant within {self.redis_timeout:g} s"
-                )
+    async def _confirmed(self, rid: str) -> None:
+        """Return once the grant ``rid`` is safe to use, else raise ``RedisDown`` (the caller gives
+        it back): with ``replicas``, that many replicas have it (a failover cannot lose it); behind
+        Sentinel, the server that holds it is the primary the sentinels name (an old primary back
+        from a stall may grant from a stale dataset: ``primary``)."""
+        primary = self._primary
+        if not self.replicas and primary is None:
+            return
+        seen = await self._scripts.confirm(rid, self.replicas)
+        if seen.acked < self.replicas:
+            raise RedisDown(
+                f"{seen.acked} of {self.replicas} replica(s) acknowledged the grant within {self.redis_timeout:g} s"
+            )
+        if not seen.held:  # granted by another server than the one this connection reaches
+            raise RedisDown("the grant is not on the Redis server this process reaches")
+        if primary is not None and not await primary.names(seen.address, self.redis_timeout):
+            # This connection reaches an old primary: let the pool ask the sentinels again.
+            await self._client.connection_pool.disconnect(inuse_connections=False)
+            raise RedisDown("the Redis server that granted is not the primary the sentinels name")
 
     def _hold(self, reservation: Reservation) -> Reservation:
         self._upkeep.held[reservation.id] = reservation

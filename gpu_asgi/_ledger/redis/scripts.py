@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 from redis.asyncio import Redis
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -24,6 +25,7 @@ _KEYS = (
     "expiry", "lease", "ticket", "queue", "reserved", "inflight", "counts", "released", "boot", "lanes", "tenants",
     "holder",
 )  # fmt: skip
+_LEASE = _KEYS.index("lease")
 
 
 #: What the reserve script does with a request it cannot grant at once (see ``LedgerScripts.reserve``).
@@ -35,6 +37,18 @@ POOL_RETRY_SECONDS = 0.002
 
 class RedisDown(Exception):
     """Redis could not be reached."""
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmation:
+    """A grant as the server a call reached sees it (``LedgerScripts.confirm``)."""
+
+    #: The server holds the lease.
+    held: bool
+    #: The address the connection reached it at: (host, port); ("", 0) for a Unix socket.
+    address: tuple[str, int]
+    #: Replicas that acknowledged every write before the call (``WAIT``); 0 when none was asked for.
+    acked: int
 
 
 class RedisSlow(RedisDown):
@@ -206,15 +220,34 @@ class LedgerScripts:
                     # connections busy: that is a burst, not an outage. Wait for one.
                     await asyncio.sleep(POOL_RETRY_SECONDS)
 
-    async def replicated(self, replicas: int) -> int:
-        """How many replicas (at most ``replicas``) have every write Redis made before this call:
-        a write on this connection, then ``WAIT`` for it. The replication stream is ordered, so
-        that covers a grant any script made before, in any process. Bounded by the timeout."""
-        async with self._bounded(), self.client.pipeline(transaction=False) as pipe:
-            pipe.incr(self.fence)
-            pipe.execute_command("WAIT", replicas, max(1, round(self.timeout * 500)))
-            _, acked = await pipe.execute()
-        return int(acked)
+    async def confirm(self, id: str, replicas: int) -> Confirmation:
+        """What the server one pooled connection reaches says of the grant ``id`` (made by any
+        process's script): whether it holds the lease, and how many replicas (at most
+        ``replicas``) have every write it made before this call: a write on this connection, then
+        ``WAIT`` for it. The replication stream is ordered, so that covers the grant. The
+        connection's address comes back too (behind Sentinel, the address the sentinels gave it
+        when it connected). One round trip, bounded by the timeout."""
+        commands: list[tuple[str | int, ...]] = [("HEXISTS", self.keys[_LEASE], id)]
+        if replicas:
+            commands += [("INCR", self.fence), ("WAIT", replicas, max(1, round(self.timeout * 500)))]
+        pool = self.client.connection_pool
+        async with self._bounded():
+            while True:
+                try:
+                    connection = await pool.get_connection()  # type: ignore[no-untyped-call, unused-ignore]
+                    break
+                except MaxConnectionsError:  # as in _run: a burst, not an outage
+                    await asyncio.sleep(POOL_RETRY_SECONDS)
+            try:
+                await connection.send_packed_command(connection.pack_commands(commands))
+                replies = [await connection.read_response() for _ in commands]
+            except BaseException:  # a reply left unread must not reach the next user of the connection
+                await connection.disconnect()
+                raise
+            finally:
+                await pool.release(connection)
+        address = (str(getattr(connection, "host", "")), int(getattr(connection, "port", 0)))
+        return Confirmation(bool(replies[0]), address, int(replies[-1]) if replicas else 0)
 
     @overload
     async def reserve(
@@ -276,9 +309,23 @@ class LedgerScripts:
     async def heartbeat(self, ids: Sequence[str], rejections: Mapping[str, int] | None = None) -> Beat:
         """Renew ``ids``, add ``rejections`` (reason -> refusals decided without Redis) to the shared
         counts, and return the snapshot just after."""
+        await self._follow_primary()
         missing, snapshot = await self._run("heartbeat", json.dumps(dict(rejections or {})), *ids)
         self.boot = text(snapshot[6])
         return _beat(tuple(text(id) for id in missing), snapshot)
+
+
+    async def _follow_primary(self) -> None:
+        """Behind Sentinel, ask the sentinels for the primary: redis-py then drops the idle
+        connections to another one, and those in use as they come back. Once a beat, so that a
+        heartbeat does not keep renewing leases on an old primary back from a stall (which the new
+        one lacks, and would grant again) after the sentinels have moved. If no sentinel answers,
+        the beat goes on the connections there are."""
+        pool = self.client.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(self.timeout):
+                    await pool.get_master_address()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 def _beat(missing: tuple[str, ...], snapshot: Sequence[Any]) -> Beat:
