@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from typing import Any
 
 from .._ledger.contract import BudgetLedger, Reservation
+from .log import logger
 
 #: The tenant the correction is held for (shown beside the clients' in ``/health``).
 ENGINE_TENANT = "gpu_asgi.engine"
@@ -23,7 +23,6 @@ USAGE_METRIC = "vllm:kv_cache_usage_perc"
 #: Seconds between two readings: vLLM records the usage once per engine step.
 DEFAULT_INTERVAL = 0.1
 
-logger = logging.getLogger("gpu_asgi.vllm")
 
 
 def read_usage(registry: Any, metric: str = USAGE_METRIC) -> float | None:

@@ -10,7 +10,6 @@ A setting or a server it cannot use stops the startup with the reason (``lifespa
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -25,18 +24,11 @@ from .._ledger.url import ledger_from_url
 from .._observe.metrics import GPUMetrics
 from .._types import ASGIApp, Message, Receive, Scope, Send
 from .engine_usage import EngineUsage
-from .routes import route_specs, tag_routes
+from .following import Following
+from .log import vllm_logger
+from .routes import CHAT_COMPLETIONS, COMPLETIONS, route_specs, tag_routes
 from .server import ServerNotReady, VLLMServer, learn
 from .settings import VLLMSettings
-
-logger = logging.getLogger("gpu_asgi.vllm")
-
-
-def startup_logger() -> logging.Logger:
-    """Where the startup lines go: under vLLM's own logger once vLLM has set up its handler (its
-    logging setup leaves other loggers' lines unseen at startup), else ``gpu_asgi.vllm``."""
-    vllm = logging.getLogger("vllm")
-    return vllm.getChild("gpu_asgi") if vllm.handlers else logger
 
 
 def budget_for(server: VLLMServer, oversubscribe: float) -> int:
@@ -62,12 +54,17 @@ def prometheus_registry() -> Any:
     return REGISTRY
 
 
+#: The routes whose requests vLLM names by ``X-Request-Id``, so that their progress can be read.
+FOLLOWED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
+
+
 def build(
     app: ASGIApp, vllm_app: Any, environ: Mapping[str, str], registry: Any = None
-) -> tuple[GPUAdmissionMiddleware, EngineUsage | None]:
+) -> tuple[GPUAdmissionMiddleware, EngineUsage | None, Following | None]:
     """The admission middleware around ``app``, sized from the vLLM server ``vllm_app``; its metrics
     in ``registry`` (default: the one vLLM's ``/metrics`` serves). With learned lengths, also the
-    closed loop on vLLM's KV-cache usage, read from that registry (strict needs none: what it
+    closed loop on vLLM's KV-cache usage, read from that registry, and (``GPU_ASGI_FOLLOW``) the
+    reservations that follow the answers as vLLM generates them (strict needs neither: what it
     reserves is the most a request can use)."""
     settings = VLLMSettings.from_env(environ)
     server = learn(getattr(vllm_app, "state", None))
@@ -86,7 +83,7 @@ def build(
     )
     lengths = None if settings.quantile is None else OutputLengths(settings.quantile)
     reserve = "strict" if lengths is None else f"learned lengths, quantile {settings.quantile:g}"
-    startup_logger().info(
+    vllm_logger().info(
         "gpu_asgi admits %s against %d bytes (%s, reserving %s, over-subscription %g, ledger %s)",
         ", ".join(tagged), budget, server.describe(), reserve, settings.oversubscribe,
         settings.ledger_url or "in-process",
@@ -102,11 +99,22 @@ def build(
         tenant_key=settings.tenant_key,
         output_lengths=lengths,
     )
-    usage = None
+    usage = following = None
     if lengths is not None and registry is not None:
         cache_bytes = server.usable_blocks * estimator.bytes_per_block
         usage = EngineUsage(ledger, registry, cache_bytes=cache_bytes, block_bytes=estimator.bytes_per_block)
-    return admission, usage
+    engine = getattr(getattr(vllm_app, "state", None), "engine_client", None)
+    if lengths is not None and settings.follow:
+        if Following.available(engine):
+            following = Following(
+                ledger, engine, block_size=server.block_size, bytes_per_block=estimator.bytes_per_block
+            )
+        else:
+            vllm_logger().warning(
+                "gpu_asgi cannot read this vLLM's request progress (engine_client.output_processor): "
+                "reservations cover each answer's predicted length from its start"
+            )
+    return admission, usage, following
 
 
 class VLLMAdmission:
@@ -122,43 +130,58 @@ class VLLMAdmission:
         self._registry = registry
         self._admission: GPUAdmissionMiddleware | None = None
         self._usage: EngineUsage | None = None
+        self._following: Following | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = self._admission
-        if admission is not None:
+        if admission is None:
+            if scope["type"] == "lifespan":
+                await self._start(scope, receive, send)
+                return
+            if scope["type"] != "http":
+                await self.app(scope, receive, send)
+                return
+            # A host that runs no lifespan: start on the first request.
+            admission, self._usage, self._following = self._build(scope)
+            self._admission = admission
+            for loop in (self._usage, self._following):
+                if loop is not None:
+                    loop.start()
+        following = self._following
+        if following is None or scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in FOLLOWED_PATHS:
             await admission(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            await self._start(scope, receive, send)
-        elif scope["type"] == "http":  # a host that runs no lifespan: start on the first request
-            self._admission, self._usage = self._build(scope)
-            if self._usage is not None:
-                self._usage.start()
-            await self._admission(scope, receive, send)
-        else:
-            await self.app(scope, receive, send)
+            return
+        scope, followed = following.enter(scope)
+        try:
+            await admission(scope, receive, send)
+        finally:
+            following.leave(followed)
 
-    def _build(self, scope: Scope) -> tuple[GPUAdmissionMiddleware, EngineUsage | None]:
+    def _build(self, scope: Scope) -> tuple[GPUAdmissionMiddleware, EngineUsage | None, Following | None]:
         environ = os.environ if self._environ is None else self._environ
         return build(self.app, scope.get("app"), environ, self._registry)
 
     async def _start(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            admission, usage = self._build(scope)
-            self._admission, self._usage = admission, usage
+            admission, usage, following = self._build(scope)
+            self._admission, self._usage, self._following = admission, usage, following
         except (ServerNotReady, ValueError, ImportError) as error:  # SettingsError is a ValueError; ImportError: the redis extra
             problem = f"gpu_asgi.vllm cannot start: {error}"
-            startup_logger().error("%s", problem)
+            vllm_logger().error("%s", problem)
             if (await receive())["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.failed", "message": problem})
             raise RuntimeError(problem) from None
         ledger = admission.ledger
 
+        loops = [loop for loop in (usage, following) if loop is not None]
+
         async def send_closing(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete" and usage is not None:
-                usage.start()
+            if message["type"] == "lifespan.startup.complete":
+                for loop in loops:
+                    loop.start()
             if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
-                if usage is not None:
-                    await usage.stop()
+                for loop in loops:
+                    await loop.stop()
                 await ledger.aclose()  # the Redis ledger's heartbeat and connections
             await send(message)
 

@@ -56,6 +56,10 @@ class VLLMSettings:
     #: ``learned`` (the default) or a quantile in (0, 1] reserves ``prompt +`` that quantile of the
     #: lengths answers of the route really had (``learned`` is 0.9). None: strict.
     quantile: float | None = DEFAULT_QUANTILE
+    #: ``GPU_ASGI_FOLLOW``: with learned lengths, hold each running answer at the blocks it holds
+    #: and the set at its forecast peak, read from vLLM's progress (``1``, the default), or hold
+    #: each at its predicted length from its start (``0``).
+    follow: bool = True
     #: ``GPU_ASGI_REDIS_TIMEOUT``: seconds the shared ledger waits for one Redis answer before
     #: admission fails closed (``ledger-unavailable``); raise it on a host whose CPUs are saturated.
     redis_timeout: float = DEFAULT_REDIS_TIMEOUT
@@ -158,6 +162,13 @@ def _reserve(text: str) -> float | None:
     return quantile
 
 
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError("expected 1 or 0 (true/false, yes/no, on/off)")
+    return value in ("1", "true", "yes", "on")
+
+
 def _namespace(text: str) -> str:
     if not text or any(c.isspace() for c in text):
         raise ValueError("expected a non-empty name without spaces")
@@ -174,5 +185,6 @@ _PARSERS: dict[str, tuple[str, Callable[[str], object]]] = {
     "GPU_ASGI_LEDGER_NAMESPACE": ("namespace", _namespace),
     "GPU_ASGI_REDIS_TIMEOUT": ("redis_timeout", _number(float, 0.01, 60, "seconds from 0.01 to 60")),
     "GPU_ASGI_RESERVE": ("quantile", _reserve),
+    "GPU_ASGI_FOLLOW": ("follow", _flag),
     "GPU_ASGI_OVERSUBSCRIBE": ("oversubscribe", _number(float, 0.1, MAX_OVERSUBSCRIBE, f"a factor from 0.1 to {MAX_OVERSUBSCRIBE:g}")),
 }

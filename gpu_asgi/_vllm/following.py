@@ -1,0 +1,228 @@
+"""Reservations that follow vLLM's answers as they are generated, not only when they end.
+
+A learned reservation covers ``prompt +`` the predicted length from the start, though an answer
+takes its blocks one at a time and most end before their second. vLLM's API server process
+tracks every request's tokens as the engine returns them (``output_processor.request_states``),
+streamed or not. So, every ``interval``, each admitted request that vLLM runs is held at the
+blocks it holds now (plus what it may add before the next reading), and one reservation of this
+process (tenant ``FORECAST_TENANT``) holds the rest of the set's forecast peak: the most blocks
+the running requests will hold together at any later step, each running to its predicted length
+(``forecast.peak_blocks``). The ledger then holds that peak, not the sum of every request's own
+peak, and admits the next request when its own peak fits on top of it: no request is preempted
+while the answers end within their predictions.
+
+vLLM names a request by the ``X-Request-Id`` header (``cmpl-<id>-<prompt>``, ``chatcmpl-<id>``);
+one is added where the client sent none. A request vLLM has not started yet, one this process
+cannot find (a ``/v1/responses`` request, several prompts in one request, two requests with one
+id), keeps the reservation admission gave it. One that vLLM has finished holds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._asgi.dependencies import ADMISSION_STATE_KEY
+from .._ledger.contract import BudgetLedger, Reservation
+from .._types import Scope
+from .forecast import Running, blocks, peak_blocks
+from .log import logger, vllm_logger
+
+__all__ = ["FORECAST_TENANT", "Following"]
+
+#: The tenant the forecast's headroom is held for (shown beside the clients' in ``/health``).
+FORECAST_TENANT = "gpu_asgi.forecast"
+#: Seconds between two readings of vLLM's progress.
+DEFAULT_INTERVAL = 0.05
+_HEADER = b"x-request-id"
+
+
+@dataclass(slots=True, eq=False)
+class Followed:
+    """One request sent on to vLLM under ``request_id``; its admission appears in ``state``."""
+
+    request_id: str
+    state: dict[str, Any]
+    #: vLLM has reported tokens for it at least once.
+    seen: bool = False
+    tokens: int = 0
+    at: float = field(default=0.0)
+
+
+def vllm_key(external_id: str) -> tuple[str, int]:
+    """The request id a vLLM request was named from, and its prompt's index (completions)."""
+    if external_id.startswith("chatcmpl-"):
+        return external_id[9:], 0
+    if external_id.startswith("cmpl-"):
+        base, _, index = external_id[5:].rpartition("-")
+        if base and index.isdigit():
+            return base, int(index)
+    return external_id, 0
+
+
+class Following:
+    """Keeps followed requests' reservations at what they hold, and one at the forecast's headroom."""
+
+    def __init__(
+        self,
+        ledger: BudgetLedger,
+        engine: Any,
+        *,
+        block_size: int,
+        bytes_per_block: int,
+        interval: float = DEFAULT_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ledger = ledger
+        self.engine = engine
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.interval = interval
+        self.clock = clock
+        self.forecast: Reservation | None = None
+        #: Requests followed so far (found in vLLM's progress).
+        self.following = 0
+        self._followed: dict[str, list[Followed]] = {}
+        #: Tokens per second of the fastest request lately: what one may add between readings.
+        self._rate = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def available(engine: Any) -> bool:
+        """Whether ``engine`` (vLLM's ``app.state.engine_client``) shows its requests' progress."""
+        states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+        return isinstance(states, dict)
+
+    # -- requests in and out ---------------------------------------------------------------
+
+    def enter(self, scope: Scope) -> tuple[Scope, Followed]:
+        """The scope to send on (with an ``X-Request-Id`` if it had none) and its follower."""
+        request_id = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == _HEADER), None)
+        if request_id is None:
+            request_id = f"gpuasgi-{uuid.uuid4().hex}"
+            scope = dict(scope)
+            scope["headers"] = [*scope["headers"], (_HEADER, request_id.encode())]
+        followed = Followed(request_id, scope.setdefault("state", {}))
+        self._followed.setdefault(request_id, []).append(followed)
+        return scope, followed
+
+    def leave(self, followed: Followed) -> None:
+        same = self._followed.get(followed.request_id, [])
+        with contextlib.suppress(ValueError):
+            same.remove(followed)
+        if not same:
+            self._followed.pop(followed.request_id, None)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="gpu_asgi-vllm-following")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.forecast is not None:
+            self.forecast.release()
+            self.forecast = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self.forecast is None:
+                    # Taken once, when nobody waits yet (a zero-byte grant never queues).
+                    self.forecast = await self.ledger.reserve_if_free(0, tenant=FORECAST_TENANT)
+                else:
+                    self.follow()
+            except Exception:  # one bad reading must not stop the loop; the next may work
+                logger.debug("following vLLM's answers failed", exc_info=True)
+            await asyncio.sleep(self.interval)
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """Request id -> (tokens generated, per sequence, at most; vLLM's states for it), for the
+        ids of one prompt (index 0): several prompts in one request are not followed."""
+        found: dict[str, tuple[int, int]] = {}
+        several: set[str] = set()
+        for state in list(self.engine.output_processor.request_states.values()):
+            key, index = vllm_key(str(getattr(state, "external_req_id", None) or state.request_id))
+            if index:
+                several.add(key)
+                continue
+            tokens = state.detokenizer.num_output_tokens()
+            most, count = found.get(key, (0, 0))
+            found[key] = (max(most, tokens), count + 1)
+        for key in several:
+            found.pop(key, None)
+        return found
+
+    def follow(self) -> None:
+        """One reading: every followed request's reservation and the forecast's, resized."""
+        forecast = self.forecast
+        if forecast is None or forecast.released:
+            return
+        now, progress, rate = self.clock(), self.progress(), 0.0
+        lag = math.ceil(self._rate * 3 * self.interval) + 1
+        running: list[Running] = []
+        targets: list[tuple[Reservation, int]] = []
+        for request_id, same in list(self._followed.items()):
+            if len(same) != 1:
+                continue  # two requests with one id: neither can be told apart
+            followed = same[0]
+            admission = followed.state.get(ADMISSION_STATE_KEY)
+            if admission is None or admission.reservation.released:
+                continue
+            reading = progress.get(request_id)
+            if reading is None:
+                if followed.seen:  # vLLM has finished it: its blocks are free
+                    targets.append((admission.reservation, 0))
+                continue  # not started yet: it keeps what admission gave it
+            tokens, states = reading
+            if not followed.seen:
+                if states != admission.batch:
+                    continue  # not every sequence is there yet
+                followed.seen = True
+                admission.endpoint_grows()  # sized here from now on, not by its stream's meter
+                if not self.following:
+                    vllm_logger().info("gpu_asgi follows vLLM's answers as they are generated (first: %s)", request_id)
+                self.following += 1
+            elif now > followed.at:
+                rate = max(rate, (tokens - followed.tokens) / (now - followed.at))
+            followed.tokens, followed.at = tokens, now
+            request = self._forecast(admission, tokens, lag)
+            running.append(request)
+            targets.append((admission.reservation, blocks(request.held, self.block_size) * request.sequences))
+        self._rate = max(rate, self._rate * 0.9)
+        held, peak = peak_blocks(running, self.block_size)
+        targets = [(reservation, n * self.bytes_per_block) for reservation, n in targets]
+        targets.append((forecast, (peak - held) * self.bytes_per_block))
+        _resize(targets)
+
+    def _forecast(self, admission: Any, tokens: int, lag: int) -> Running:
+        """A running request as the forecast sees it: to its predicted length, or a step past
+        where it is once it has run past it (as the answer's meter grows a stream)."""
+        prompt, limit = admission.prompt_tokens, admission.max_new_tokens
+        predicted = admission.reserved_tokens if admission.reserved_tokens is not None else limit
+        length = min(limit, max(predicted, tokens + lag + max(16, tokens // 4)))
+        now = min(tokens + lag, length)
+        return Running(prompt + now, prompt + length, max(1, length - tokens), admission.batch)
+
+
+def _resize(targets: Iterable[tuple[Reservation, int]]) -> None:
+    """Every reservation to its target: the growths first, so the ledger never holds less than
+    both the old and the new sizes need, and a waiter it admits on a shrink fits after both."""
+    targets = list(targets)
+    for reservation, nbytes in targets:
+        if nbytes > reservation.nbytes:
+            reservation.grow(nbytes)
+    for reservation, nbytes in targets:
+        if nbytes < reservation.nbytes:
+            reservation.shrink(nbytes)
