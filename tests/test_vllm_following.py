@@ -67,7 +67,7 @@ async def admitted(ledger: Ledger, following: Following, request_id: str | None,
 async def setup(blocks: int = 4) -> tuple[Ledger, Engine, Clock, Following]:
     ledger, engine, clock = Ledger(blocks * BLOCK_BYTES), Engine(), Clock()
     following = Following(ledger, engine, block_size=BLOCK, bytes_per_block=BLOCK_BYTES, interval=0.05, clock=clock)
-    following.forecast = await ledger.reserve_if_free(0, tenant=FORECAST_TENANT)
+    await following.tick()  # takes the forecast's reservation, empty
     return ledger, engine, clock, following
 
 
@@ -101,7 +101,7 @@ async def test_answers_at_different_points_share_the_blocks_their_futures_leave_
     # Both just started: each holds 1 block now, and both take their second at the same step.
     engine.run("cmpl-a-0", 0)
     engine.run("cmpl-b-0", 0)
-    following.follow()
+    following.resize()
     assert (a.reservation.nbytes, b.reservation.nbytes, following.forecast.nbytes) == (1000, 1000, 2000)
     assert a.grown == [True] and b.grown == [True]  # their streams' meters no longer grow them
     assert not waiting.done()
@@ -109,20 +109,20 @@ async def test_answers_at_different_points_share_the_blocks_their_futures_leave_
     # long before the other needs its second. Together they never hold more than 3 blocks.
     clock.now = 1.0
     engine.run("cmpl-a-0", 100)
-    following.follow()
+    following.resize()
     assert (a.reservation.nbytes, b.reservation.nbytes) == (1000, 1000)
     assert following.forecast.nbytes == 1000
     assert ledger.statistics().reserved_bytes == 3 * BLOCK_BYTES + BLOCK_BYTES  # the waiter came in
     granted = await asyncio.wait_for(waiting, 1)
     # vLLM finished the first: it holds nothing, and the second alone peaks at 2 blocks.
     engine.finish("cmpl-a-0")
-    following.follow()
+    following.resize()
     assert (a.reservation.nbytes, b.reservation.nbytes, following.forecast.nbytes) == (0, 1000, 1000)
     for reservation in (a.reservation, b.reservation, granted):
         reservation.release()
     following.leave(first)
     following.leave(second)
-    following.follow()
+    following.resize()
     assert ledger.statistics().reserved_bytes == 0
 
 
@@ -130,7 +130,7 @@ async def test_an_answer_past_its_prediction_is_forecast_a_step_further_and_may_
     ledger, engine, _, following = await setup(blocks=2)
     _, _, a = await admitted(ledger, following, "a")
     engine.run("chatcmpl-a", 250)  # past 157 and into a third block: held at 3, past the budget
-    following.follow()
+    following.resize()
     assert a.reservation.nbytes == 3 * BLOCK_BYTES
     assert ledger.statistics().reserved_bytes == 3 * BLOCK_BYTES  # overshoot: nobody new until under
     assert await ledger.reserve_if_free(1) is None
@@ -149,7 +149,7 @@ async def test_what_cannot_be_followed_keeps_what_admission_gave_it(case: str) -
     elif case == "some sequences":
         engine.run("cmpl-a-0", 10)  # one of its two sequences is there so far
     held = a.reservation.nbytes
-    following.follow()
+    following.resize()
     assert a.reservation.nbytes == held and following.forecast.nbytes == 0 and a.grown == []
 
 
@@ -191,8 +191,8 @@ def vllm_app(environ: dict[str, str]) -> Any:
     return app
 
 
-@pytest.mark.parametrize(("environ", "follows"), [({}, True), ({"GPU_ASGI_FOLLOW": "0"}, False),
-                                                  ({"GPU_ASGI_RESERVE": "strict"}, False)])
+@pytest.mark.parametrize(("environ", "follows"), [({"GPU_ASGI_FOLLOW": "1"}, True), ({}, False),
+                                                  ({"GPU_ASGI_FOLLOW": "1", "GPU_ASGI_RESERVE": "strict"}, False)])
 async def test_vllm_is_told_a_request_id_on_the_routes_followed(environ: dict[str, str], follows: bool) -> None:
     app = vllm_app(environ)
     async with app.router.lifespan_context(app), httpx.AsyncClient(

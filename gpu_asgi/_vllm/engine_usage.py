@@ -10,12 +10,10 @@ so nothing new is admitted until the cache is back under) and shrunk again as th
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import Any
 
 from .._ledger.contract import BudgetLedger, Reservation
-from .log import logger
+from .held import HeldOnATimer
 
 #: The tenant the correction is held for (shown beside the clients' in ``/health``).
 ENGINE_TENANT = "gpu_asgi.engine"
@@ -36,42 +34,25 @@ def read_usage(registry: Any, metric: str = USAGE_METRIC) -> float | None:
     return max(values) if values else None
 
 
-class EngineUsage:
+class EngineUsage(HeldOnATimer):
     """Keeps the correction equal to the blocks the cache holds beyond the ledger's reservations."""
+
+    tenant = ENGINE_TENANT
+    task_name = "gpu_asgi-vllm-usage"
 
     def __init__(
         self, ledger: BudgetLedger, registry: Any, *, cache_bytes: int, block_bytes: int,
         interval: float = DEFAULT_INTERVAL,
     ) -> None:
-        self.ledger = ledger
+        super().__init__(ledger, interval)
         self.registry = registry
         self.cache_bytes = cache_bytes
         self.block_bytes = block_bytes
-        self.interval = interval
-        self.correction: Reservation | None = None
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="gpu_asgi-vllm-usage")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self.correction is not None:
-            self.correction.release()
-            self.correction = None
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.correct()
-            except Exception:  # a reading or a ledger that failed once: the next one may not
-                logger.debug("KV-cache usage correction failed", exc_info=True)
-            await asyncio.sleep(self.interval)
+    @property
+    def correction(self) -> Reservation | None:
+        """The reservation that holds the blocks answers grew into (None until the first round)."""
+        return self.held
 
     def excess(self) -> int | None:
         """Bytes the cache holds beyond the clients' reservations, in whole blocks; None unread."""
@@ -79,21 +60,20 @@ class EngineUsage:
         if usage is None:
             return None
         used = usage * self.cache_bytes
-        held = self.correction.nbytes if self.correction is not None else 0
+        held = self.held.nbytes if self.held is not None else 0
         reserved = self.ledger.statistics().reserved_bytes - held
         blocks = max(0, -(-int(used - reserved) // self.block_bytes))
         return blocks * self.block_bytes
 
-    async def correct(self) -> None:
-        excess = self.excess()
-        if excess is None:
+    def resize(self) -> None:
+        excess, correction = self.excess(), self.held
+        if excess is None or correction is None:
             return
-        if self.correction is None:
-            # Taken at the first reading, when nobody waits yet (a zero-byte grant never queues).
-            self.correction = await self.ledger.reserve_if_free(0, tenant=ENGINE_TENANT)
-            if self.correction is None:
-                return
-        if excess > self.correction.nbytes:
-            self.correction.grow(excess)
-        elif excess < self.correction.nbytes:
-            self.correction.shrink(excess)
+        if excess > correction.nbytes:
+            correction.grow(excess)
+        elif excess < correction.nbytes:
+            correction.shrink(excess)
+
+    async def correct(self) -> None:
+        """One reading, corrected into the ledger."""
+        await self.tick()

@@ -19,7 +19,6 @@ id), keeps the reservation admission gave it. One that vLLM has finished holds n
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import time
@@ -32,7 +31,8 @@ from .._asgi.dependencies import ADMISSION_STATE_KEY
 from .._ledger.contract import BudgetLedger, Reservation
 from .._types import Scope
 from .forecast import Running, blocks, peak_blocks
-from .log import logger, vllm_logger
+from .held import HeldOnATimer
+from .log import vllm_logger
 
 __all__ = ["FORECAST_TENANT", "Following"]
 
@@ -66,8 +66,11 @@ def vllm_key(external_id: str) -> tuple[str, int]:
     return external_id, 0
 
 
-class Following:
-    """Keeps followed requests' reservations at what they hold, and one at the forecast's headroom."""
+class Following(HeldOnATimer):
+    """Keeps followed requests' reservations at what they hold, and its own at the forecast's headroom."""
+
+    tenant = FORECAST_TENANT
+    task_name = "gpu_asgi-vllm-following"
 
     def __init__(
         self,
@@ -79,19 +82,21 @@ class Following:
         interval: float = DEFAULT_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ledger = ledger
+        super().__init__(ledger, interval)
         self.engine = engine
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
-        self.interval = interval
         self.clock = clock
-        self.forecast: Reservation | None = None
         #: Requests followed so far (found in vLLM's progress).
         self.following = 0
         self._followed: dict[str, list[Followed]] = {}
         #: Tokens per second of the fastest request lately: what one may add between readings.
         self._rate = 0.0
-        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def forecast(self) -> Reservation | None:
+        """The reservation that holds the forecast's headroom (None until the first round)."""
+        return self.held
 
     @staticmethod
     def available(engine: Any) -> bool:
@@ -119,33 +124,7 @@ class Following:
         if not same:
             self._followed.pop(followed.request_id, None)
 
-    # -- the loop ----------------------------------------------------------------------------
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="gpu_asgi-vllm-following")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self.forecast is not None:
-            self.forecast.release()
-            self.forecast = None
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                if self.forecast is None:
-                    # Taken once, when nobody waits yet (a zero-byte grant never queues).
-                    self.forecast = await self.ledger.reserve_if_free(0, tenant=FORECAST_TENANT)
-                else:
-                    self.follow()
-            except Exception:  # one bad reading must not stop the loop; the next may work
-                logger.debug("following vLLM's answers failed", exc_info=True)
-            await asyncio.sleep(self.interval)
+    # -- the readings -------------------------------------------------------------------------
 
     def progress(self) -> dict[str, tuple[int, int]]:
         """Request id -> (tokens generated, per sequence, at most; vLLM's states for it), for the
@@ -164,9 +143,9 @@ class Following:
             found.pop(key, None)
         return found
 
-    def follow(self) -> None:
+    def resize(self) -> None:
         """One reading: every followed request's reservation and the forecast's, resized."""
-        forecast = self.forecast
+        forecast = self.held
         if forecast is None or forecast.released:
             return
         now, progress, rate = self.clock(), self.progress(), 0.0

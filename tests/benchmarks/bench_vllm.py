@@ -21,8 +21,8 @@ gpu_asgi reserves on two workloads, each BURST requests at once (a heavy tenant 
 5 to 1): answers that end early (``max_tokens`` 400, lengths geometric with mean 68, as answers
 that stop at EOS are; the same lengths for every server) and today's fixed lengths (``ignore_eos``,
 180 tokens). Rows: vLLM alone, ``strict``, learned at its default quantile and at two others, and
-strict with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5; and learned at its default without following the answers
-(``GPU_ASGI_FOLLOW=0``: each held at its predicted length from its start). Every server first serves the same WARMUP early-ending
+strict with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5; and learned at its default following the answers
+(``GPU_ASGI_FOLLOW=1``, opt-in). Every server first serves the same WARMUP early-ending
 requests (a learned server starts strict: it has seen no answer yet).
 """
 
@@ -55,7 +55,7 @@ RESERVE_ROWS: tuple[tuple[str, dict[str, str] | None], ...] = (
     ("vLLM alone", None),
     ("strict", {"GPU_ASGI_RESERVE": "strict"}),
     ("learned 0.9 (default)", {}),
-    ("learned 0.9, not following", {"GPU_ASGI_FOLLOW": "0"}),
+    ("learned 0.9, following", {"GPU_ASGI_FOLLOW": "1"}),
     ("learned 0.75", {"GPU_ASGI_RESERVE": "0.75"}),
     ("learned 0.97", {"GPU_ASGI_RESERVE": "0.97"}),
     ("strict, oversubscribe x1.5", {"GPU_ASGI_RESERVE": "strict", "GPU_ASGI_OVERSUBSCRIBE": "1.5"}),

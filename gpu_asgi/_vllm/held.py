@@ -1,0 +1,59 @@
+"""A reservation this process holds for itself, resized on a timer: the base of the closed loop
+on vLLM's KV-cache usage (``engine_usage``) and of the forecast that follows the answers
+(``following``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import ClassVar
+
+from .._ledger.contract import BudgetLedger, Reservation
+from .log import logger
+
+
+class HeldOnATimer:
+    """Every ``interval``: take the reservation once (zero bytes, for ``tenant``), then ``resize()``."""
+
+    #: Whose bytes these are, as ``/health`` and the metrics show them.
+    tenant: ClassVar[str]
+    #: The asyncio task's name.
+    task_name: ClassVar[str]
+
+    def __init__(self, ledger: BudgetLedger, interval: float) -> None:
+        self.ledger = ledger
+        self.interval = interval
+        self.held: Reservation | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self.task_name)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.held is not None:
+            self.held.release()
+            self.held = None
+
+    async def tick(self) -> None:
+        """One round: the reservation taken if it is not yet (a zero-byte grant never queues), then resized."""
+        if self.held is None:
+            self.held = await self.ledger.reserve_if_free(0, tenant=self.tenant)
+        if self.held is not None and not self.held.released:
+            self.resize()
+
+    def resize(self) -> None:
+        raise NotImplementedError
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # one bad reading must not stop the loop; the next may work
+                logger.debug("%s failed", self.task_name, exc_info=True)
+            await asyncio.sleep(self.interval)
