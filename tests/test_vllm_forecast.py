@@ -6,7 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_asgi._vllm.forecast import Running, blocks, peak_blocks
+from gpu_asgi._estimate.paged import blocks_for as blocks
+from gpu_asgi._vllm.forecast import Running, peak_blocks
 
 
 def counted(running: list[Running], block_size: int) -> tuple[int, int]:

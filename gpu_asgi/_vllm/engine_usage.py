@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._estimate.paged import blocks_for
 from .._ledger.contract import BudgetLedger, Reservation
-from .held import HeldOnATimer
+from .held import HeldOnATimer, resize_all
 
 #: The tenant the correction is held for (shown beside the clients' in ``/health``).
 ENGINE_TENANT = "gpu_asgi.engine"
 USAGE_METRIC = "vllm:kv_cache_usage_perc"
 #: Seconds between two readings: vLLM records the usage once per engine step.
 DEFAULT_INTERVAL = 0.1
-
 
 
 def read_usage(registry: Any, metric: str = USAGE_METRIC) -> float | None:
@@ -62,17 +62,12 @@ class EngineUsage(HeldOnATimer):
         used = usage * self.cache_bytes
         held = self.held.nbytes if self.held is not None else 0
         reserved = self.ledger.statistics().reserved_bytes - held
-        blocks = max(0, -(-int(used - reserved) // self.block_bytes))
-        return blocks * self.block_bytes
+        return max(0, blocks_for(int(used - reserved), self.block_bytes)) * self.block_bytes
 
     def resize(self) -> None:
-        excess, correction = self.excess(), self.held
-        if excess is None or correction is None:
-            return
-        if excess > correction.nbytes:
-            correction.grow(excess)
-        elif excess < correction.nbytes:
-            correction.shrink(excess)
+        excess = self.excess()
+        if excess is not None and self.held is not None:
+            resize_all([(self.held, excess)])
 
     async def correct(self) -> None:
         """One reading, corrected into the ledger."""

@@ -23,15 +23,16 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .._asgi.dependencies import ADMISSION_STATE_KEY
+from .._estimate.paged import blocks_for
 from .._ledger.contract import BudgetLedger, Reservation
 from .._types import Scope
-from .forecast import Running, blocks, peak_blocks
-from .held import HeldOnATimer
+from .forecast import Running, peak_blocks
+from .held import HeldOnATimer, resize_all
 from .log import vllm_logger
 
 __all__ = ["FORECAST_TENANT", "Following"]
@@ -52,7 +53,7 @@ class Followed:
     #: vLLM has reported tokens for it at least once.
     seen: bool = False
     tokens: int = 0
-    at: float = field(default=0.0)
+    at: float = 0.0
 
 
 def vllm_key(external_id: str) -> tuple[str, int]:
@@ -178,12 +179,12 @@ class Following(HeldOnATimer):
             followed.tokens, followed.at = tokens, now
             request = self._forecast(admission, tokens, lag)
             running.append(request)
-            targets.append((admission.reservation, blocks(request.held, self.block_size) * request.sequences))
+            targets.append((admission.reservation, blocks_for(request.held, self.block_size) * request.sequences))
         self._rate = max(rate, self._rate * 0.9)
         held, peak = peak_blocks(running, self.block_size)
         targets = [(reservation, n * self.bytes_per_block) for reservation, n in targets]
         targets.append((forecast, (peak - held) * self.bytes_per_block))
-        _resize(targets)
+        resize_all(targets)
 
     def _forecast(self, admission: Any, tokens: int, lag: int) -> Running:
         """A running request as the forecast sees it: to its predicted length, or a step past
@@ -194,14 +195,3 @@ class Following(HeldOnATimer):
         now = min(tokens + lag, length)
         return Running(prompt + now, prompt + length, max(1, length - tokens), admission.batch)
 
-
-def _resize(targets: Iterable[tuple[Reservation, int]]) -> None:
-    """Every reservation to its target: the growths first, so the ledger never holds less than
-    both the old and the new sizes need, and a waiter it admits on a shrink fits after both."""
-    targets = list(targets)
-    for reservation, nbytes in targets:
-        if nbytes > reservation.nbytes:
-            reservation.grow(nbytes)
-    for reservation, nbytes in targets:
-        if nbytes < reservation.nbytes:
-            reservation.shrink(nbytes)

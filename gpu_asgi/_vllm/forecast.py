@@ -14,12 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Running", "blocks", "peak_blocks"]
+from .._estimate.paged import blocks_for as blocks
 
-
-def blocks(tokens: int, block_size: int) -> int:
-    """Blocks that ``tokens`` tokens take (a part block is a block)."""
-    return -(-tokens // block_size)
+__all__ = ["Running", "peak_blocks"]
 
 
 @dataclass(frozen=True, slots=True)

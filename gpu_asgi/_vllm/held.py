@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable
 from typing import ClassVar
 
 from .._ledger.contract import BudgetLedger, Reservation
@@ -57,3 +58,15 @@ class HeldOnATimer:
             except Exception:  # one bad reading must not stop the loop; the next may work
                 logger.debug("%s failed", self.task_name, exc_info=True)
             await asyncio.sleep(self.interval)
+
+
+def resize_all(targets: Iterable[tuple[Reservation, int]]) -> None:
+    """Every reservation to its target bytes: the growths first, so the ledger never holds less
+    than both the old and the new sizes need, and a waiter it admits on a shrink fits after both."""
+    targets = list(targets)
+    for reservation, nbytes in targets:
+        if nbytes > reservation.nbytes:
+            reservation.grow(nbytes)
+    for reservation, nbytes in targets:
+        if nbytes < reservation.nbytes:
+            reservation.shrink(nbytes)

@@ -314,7 +314,6 @@ class LedgerScripts:
         self.boot = text(snapshot[6])
         return _beat(tuple(text(id) for id in missing), snapshot)
 
-
     async def _follow_primary(self) -> None:
         """Behind Sentinel, ask the sentinels for the primary: redis-py then drops the idle
         connections to another one, and those in use as they come back. Once a beat, so that a
