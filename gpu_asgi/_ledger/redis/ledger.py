@@ -178,8 +178,9 @@ class RedisLedger(LedgerBase):
         probe_pool = ConnectionPool(connection_class=base.connection_class, max_connections=1, **base.connection_kwargs)
         self._probe_client = Redis.from_pool(probe_pool)
         self._upkeep = Upkeep(
-            self._scripts, redis, self._probe_client, name=namespace, heartbeat=heartbeat, notify=notify
-        )
+            self._scripts, redis, self._probe_client,
+            name=namespace, heartbeat=heartbeat, notify=notify, primary=self._primary,
+        )  # fmt: skip
         self._local: Ledger | None = None
         if on_unavailable == "local" and local_share is not None:
             # Every process decides alone meanwhile: each gets local_share of each budget and of each quota.

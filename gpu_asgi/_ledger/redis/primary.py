@@ -57,10 +57,16 @@ class SentinelPrimary:
         return cls(pool.sentinel_manager.sentinels, pool.service_name)
 
     async def names(self, address: tuple[str, int], timeout: float) -> bool:
-        """Whether a majority of the sentinels answer within ``timeout`` and every one that answers
-        names ``(host, port)`` as the primary, neither objectively down nor being failed over."""
+        """Whether the sentinels agree (:meth:`agreed`) that ``(host, port)`` is the primary."""
+        return await self.agreed(timeout) == address
+
+    async def agreed(self, timeout: float) -> tuple[str, int] | None:
+        """The address a majority of the sentinels answering within ``timeout`` name as the primary,
+        when every one that answers names it, neither objectively down nor being failed over; else
+        None (they disagree while a failover spreads: the others learn it from the sentinels' hello
+        messages, seconds later)."""
         asks = {asyncio.ensure_future(self._primary(sentinel)) for sentinel in self.sentinels}
-        majority, agreed = len(asks) // 2 + 1, 0
+        majority, agreed, named = len(asks) // 2 + 1, 0, None
         try:
             async with asyncio.timeout(timeout) as bound:
                 while asks:
@@ -68,9 +74,10 @@ class SentinelPrimary:
                     for ask in done:
                         if ask.exception() is not None:
                             continue  # unreachable: no say
-                        if ask.result() != address:
-                            return False
-                        agreed += 1
+                        address = ask.result()
+                        if address is None or named not in (None, address):
+                            return None
+                        named, agreed = address, agreed + 1
                     if agreed >= majority:
                         grace = asyncio.get_running_loop().time() + GRACE
                         bound.reschedule(min(grace, bound.when() or grace))
@@ -79,7 +86,7 @@ class SentinelPrimary:
         finally:
             for ask in asks:
                 ask.cancel()
-        return agreed >= majority
+        return named if agreed >= majority else None
 
     async def _primary(self, sentinel: Redis) -> tuple[str, int] | None:
         """The address this sentinel gives the primary; None when it names none it trusts now."""

@@ -10,6 +10,9 @@
   admission does not wait on it (``skipping``) and the heartbeat keeps probing. A call that is
   only slow (a busy Redis, a wait for a pooled connection) marks it down only if a ``PING`` on a
   connection of its own also goes unanswered within the timeout (``probe``).
+- Behind Sentinel, a beat counts as landed only once the sentinels agree on the primary
+  (``SentinelPrimary.agreed``): while a failover spreads, admission stays down, as the check on
+  each grant would refuse it anyway.
 - Releases and queue exits are tracked tasks, retried briefly. One that still fails (Redis away:
   down, restarting, failing over) is owed: sent again by the first heartbeat that lands, so the
   bytes and the queue's order come back as soon as Redis answers, not a lease TTL later (which
@@ -40,6 +43,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ..contract import Reservation
+from .primary import SentinelPrimary
 from .scripts import Beat, LedgerScripts, RedisDown, RedisSlow, text
 
 #: Tries for a release or a queue exit that cannot reach Redis; the lease TTL is the backstop.
@@ -90,9 +94,18 @@ class Tally:
 
 class Upkeep:
     def __init__(
-        self, scripts: LedgerScripts, client: Redis, probe_client: Redis, *, name: str, heartbeat: float, notify: bool
+        self,
+        scripts: LedgerScripts,
+        client: Redis,
+        probe_client: Redis,
+        *,
+        name: str,
+        heartbeat: float,
+        notify: bool,
+        primary: SentinelPrimary | None = None,
     ) -> None:
         self.scripts = scripts
+        self.primary = primary
         self.client = client
         self.probe_client = probe_client
         self._probing: asyncio.Future[bool] | None = None
@@ -200,6 +213,9 @@ class Upkeep:
                 self.tally.failed(rejections)
             else:
                 self.tally.landed(rejections)
+        if self.primary is not None and await self.primary.agreed(self.scripts.timeout) is None:
+            self.went_down(RedisDown("the sentinels do not yet agree on the primary"))
+            return False
         self.came_up()
         self.beat = beat
         self._pay_owed()
