@@ -5,11 +5,12 @@ takes its blocks one at a time and most end before their second. vLLM's API serv
 tracks every request's tokens as the engine returns them (``output_processor.request_states``),
 streamed or not. So, every ``interval``, each admitted request that vLLM runs is held at the
 blocks it holds now (plus what it may add before the next reading), and one reservation of this
-process (tenant ``FORECAST_TENANT``) holds the rest of the set's forecast peak: the most blocks
-the running requests will hold together at any later step, each running to its predicted length
-(``forecast.peak_blocks``). The ledger then holds that peak, not the sum of every request's own
-peak, and admits the next request when its own peak fits on top of it: no request is preempted
-while the answers end within their predictions.
+process (tenant ``FORECAST_TENANT``) holds their growth: the most blocks the requests still
+running at any later step will have taken beyond those, each running to its predicted length
+(``forecast.peak_blocks``). A request's held blocks are never counted for another's growth: when
+it ends, the middleware gives them back to the ledger, which admits the next request on them.
+The ledger admits the next request when its own peak fits on top: no request is preempted while
+the answers end within their predictions.
 
 vLLM names a request by the ``X-Request-Id`` header (``cmpl-<id>-<prompt>``, ``chatcmpl-<id>``);
 one is added where the client sent none. A request vLLM has not started yet, one this process

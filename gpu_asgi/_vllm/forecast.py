@@ -1,12 +1,19 @@
-"""The most KV blocks a set of running requests will hold together, at any engine step from now.
+"""The KV blocks the ledger must hold for a set of running requests so that none is preempted.
 
 vLLM's scheduler gives each running request one token per step (continuous batching), takes a
-block when a token starts one, and frees all of a request's blocks when it ends. So if each
-request is forecast to end at a known length, the blocks the set holds at every future step are
-known, and their peak is what must fit the cache for nobody to be preempted. A request that
+block when a token starts one, and frees all of a request's blocks when it ends. Each running
+request is held at the blocks it holds now (its own reservation); one more reservation holds the
+*growth*: the most blocks that the requests still running at any later step will have taken
+beyond what they hold now, each forecast to end at a known length.
+
+The growth of a request that has ended is not counted at later steps, but its held blocks are
+never lent to the others: when a request ends, the ledger gives its bytes back to whoever waits,
+so the requests left must be covered by their own reservations and the growth alone, whichever
+requests end first, and whenever (an answer may end long before its forecast). A request that
 starts later is not in the set: admission reserves its own peak for it (``prompt`` plus its
-forecast length), which is never less than what it adds to the set's peak at any step, so the
-new peak stays within what the ledger holds (docs/vllm.md, "Reservations that follow the answers").
+forecast length), which is never less than what it adds to the held blocks and the growth, so
+what the ledger must hold stays within what it holds (docs/vllm.md, "Reservations that follow
+the answers").
 """
 
 from __future__ import annotations
@@ -35,11 +42,11 @@ class Running:
 
 
 def peak_blocks(running: Iterable[Running], block_size: int) -> tuple[int, int]:
-    """``(now, peak)``: the blocks the requests hold now, and the most they hold at any step from
-    now on, each gaining a token per step until its forecast end and then freeing its blocks
-    (vLLM frees a finished request's blocks before it schedules the next step)."""
+    """``(now, peak)``: the blocks the requests hold now, and those the ledger must hold for them:
+    ``now`` plus the most that the requests still running at any step from now on will have
+    taken beyond what they hold now (each gains a token per step until its forecast end)."""
     now = 0
-    events: list[tuple[int, int]] = []  # (step, change)
+    events: list[tuple[int, int]] = []  # (step, change of the growth)
     for request in running:
         held, end = min(request.held, request.end), request.end
         first = blocks(held, block_size)
@@ -51,11 +58,14 @@ def peak_blocks(running: Iterable[Running], block_size: int) -> tuple[int, int]:
             if step > last_step:
                 break
             events.append((step, request.sequences))
-        last = blocks(min(held + last_step, end), block_size)
-        events.append((request.steps, -last * request.sequences))
-    events.sort()  # at one step, the blocks freed come before those taken
-    total = peak = now
+        grown = blocks(min(held + last_step, end), block_size) - first
+        if grown:
+            events.append((request.steps, -grown * request.sequences))
+    # At one step, the blocks taken come before those freed: under async scheduling vLLM may
+    # schedule a step before it has freed the blocks of a request that ended in the step before.
+    events.sort(key=lambda event: (event[0], -event[1]))
+    growth = most = 0
     for _, change in events:
-        total += change
-        peak = max(peak, total)
-    return now, peak
+        growth += change
+        most = max(most, growth)
+    return now, now + most
