@@ -136,6 +136,38 @@ async def test_an_answer_past_its_prediction_is_forecast_a_step_further_and_may_
     assert await ledger.reserve_if_free(1) is None
 
 
+class Growth:
+    """The metrics as far as following writes them: bytes forecast past an admitted peak."""
+
+    def __init__(self) -> None:
+        self.grown: list[int] = []
+
+    def record_growth(self, nbytes: int) -> None:
+        self.grown.append(nbytes)
+
+
+async def test_what_an_answer_is_forecast_past_its_admitted_peak_is_counted_as_growth_once() -> None:
+    ledger, engine, clock = Ledger(8 * BLOCK_BYTES), Engine(), Clock()
+    metrics = Growth()
+    following = Following(
+        ledger, engine, block_size=BLOCK, bytes_per_block=BLOCK_BYTES, clock=clock, metrics=metrics  # type: ignore[arg-type]
+    )
+    await following.tick()
+    _, _, a = await admitted(ledger, following, "a")  # admitted on 2 blocks
+    engine.run("chatcmpl-a", 100)  # within its prediction: nothing past it
+    following.resize()
+    assert metrics.grown == []
+    engine.run("chatcmpl-a", 250)  # past 157: forecast to 250 + a quarter, 3 blocks with its prompt
+    following.resize()
+    assert metrics.grown == [BLOCK_BYTES]
+    following.resize()  # the same reading again: counted once
+    assert metrics.grown == [BLOCK_BYTES]
+    engine.run("chatcmpl-a", 390)  # now forecast to its limit of 400: 4 blocks
+    following.resize()
+    assert metrics.grown == [BLOCK_BYTES, BLOCK_BYTES]
+    assert a.reservation.nbytes == 4 * BLOCK_BYTES
+
+
 @pytest.mark.parametrize("case", ["not started", "two with one id", "several prompts", "some sequences"])
 async def test_what_cannot_be_followed_keeps_what_admission_gave_it(case: str) -> None:
     ledger, engine, _, following = await setup(blocks=6)
@@ -191,8 +223,8 @@ def vllm_app(environ: dict[str, str]) -> Any:
     return app
 
 
-@pytest.mark.parametrize(("environ", "follows"), [({"GPU_ASGI_FOLLOW": "1"}, True), ({}, False),
-                                                  ({"GPU_ASGI_FOLLOW": "1", "GPU_ASGI_RESERVE": "strict"}, False)])
+@pytest.mark.parametrize(("environ", "follows"), [({}, True), ({"GPU_ASGI_FOLLOW": "0"}, False),
+                                                  ({"GPU_ASGI_RESERVE": "strict"}, False)])
 async def test_vllm_is_told_a_request_id_on_the_routes_followed(environ: dict[str, str], follows: bool) -> None:
     app = vllm_app(environ)
     async with app.router.lifespan_context(app), httpx.AsyncClient(

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._asgi.dependencies import ADMISSION_STATE_KEY
 from .._estimate.paged import blocks_for
@@ -35,6 +35,9 @@ from .._types import Scope
 from .forecast import Running, peak_blocks
 from .held import HeldOnATimer, resize_all
 from .log import vllm_logger
+
+if TYPE_CHECKING:
+    from .._observe.metrics import GPUMetrics
 
 __all__ = ["FORECAST_TENANT", "Following"]
 
@@ -55,6 +58,10 @@ class Followed:
     seen: bool = False
     tokens: int = 0
     at: float = 0.0
+    #: Bytes its admission reserved (its own peak), when first seen.
+    admitted: int = 0
+    #: Bytes its forecast has run past ``admitted`` so far (counted in the growth metric once).
+    past: int = 0
 
 
 def vllm_key(external_id: str) -> tuple[str, int]:
@@ -83,9 +90,11 @@ class Following(HeldOnATimer):
         bytes_per_block: int,
         interval: float = DEFAULT_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
+        metrics: GPUMetrics | None = None,
     ) -> None:
         super().__init__(ledger, interval)
         self.engine = engine
+        self.metrics = metrics
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self.clock = clock
@@ -170,7 +179,7 @@ class Following(HeldOnATimer):
             if not followed.seen:
                 if states != admission.batch:
                     continue  # not every sequence is there yet
-                followed.seen = True
+                followed.seen, followed.admitted = True, admission.reservation.nbytes
                 admission.endpoint_grows()  # sized here from now on, not by its stream's meter
                 if not self.following:
                     vllm_logger().info("gpu_asgi follows vLLM's answers as they are generated (first: %s)", request_id)
@@ -180,12 +189,23 @@ class Following(HeldOnATimer):
             followed.tokens, followed.at = tokens, now
             request = self._forecast(admission, tokens, lag)
             running.append(request)
+            self._record_past(followed, request)
             targets.append((admission.reservation, blocks_for(request.held, self.block_size) * request.sequences))
         self._rate = max(rate, self._rate * 0.9)
         held, peak = peak_blocks(running, self.block_size)
         targets = [(reservation, n * self.bytes_per_block) for reservation, n in targets]
         targets.append((forecast, (peak - held) * self.bytes_per_block))
         resize_all(targets)
+
+    def _record_past(self, followed: Followed, request: Running) -> None:
+        """Counts in ``gpu_asgi_reservation_grown_bytes`` what an answer past its prediction is now
+        forecast beyond the peak it was admitted on, as the stream meter counts its growth."""
+        own = blocks_for(request.end, self.block_size) * request.sequences * self.bytes_per_block
+        past = own - followed.admitted
+        if past > followed.past:
+            if self.metrics is not None:
+                self.metrics.record_growth(past - followed.past)
+            followed.past = past
 
     def _forecast(self, admission: Any, tokens: int, lag: int) -> Running:
         """A running request as the forecast sees it: to its predicted length, or a step past

@@ -107,7 +107,8 @@ def build(
     if lengths is not None and settings.follow:
         if Following.available(engine):
             following = Following(
-                ledger, engine, block_size=server.block_size, bytes_per_block=estimator.bytes_per_block
+                ledger, engine, block_size=server.block_size, bytes_per_block=estimator.bytes_per_block,
+                metrics=metrics,
             )
         else:
             vllm_logger().warning(

@@ -57,9 +57,9 @@ class VLLMSettings:
     #: lengths answers of the route really had (``learned`` is 0.9). None: strict.
     quantile: float | None = DEFAULT_QUANTILE
     #: ``GPU_ASGI_FOLLOW``: with learned lengths, hold each running answer at the blocks it holds
-    #: and the set at its forecast peak, read from vLLM's progress (``1``), or hold each at its
-    #: predicted length from its start (``0``, the default: following still preempted in tests).
-    follow: bool = False
+    #: and the growth the running set is forecast to take, read from vLLM's progress (``1``, the
+    #: default), or hold each at its predicted length from its start (``0``).
+    follow: bool = True
     #: ``GPU_ASGI_REDIS_TIMEOUT``: seconds the shared ledger waits for one Redis answer before
     #: admission fails closed (``ledger-unavailable``); raise it on a host whose CPUs are saturated.
     redis_timeout: float = DEFAULT_REDIS_TIMEOUT

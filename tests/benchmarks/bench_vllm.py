@@ -21,8 +21,8 @@ gpu_asgi reserves on two workloads, each BURST requests at once (a heavy tenant 
 5 to 1): answers that end early (``max_tokens`` 400, lengths geometric with mean 68, as answers
 that stop at EOS are; the same lengths for every server) and today's fixed lengths (``ignore_eos``,
 180 tokens). Rows: vLLM alone, ``strict``, learned at its default quantile and at two others, and
-strict with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5; and learned at its default following the answers
-(``GPU_ASGI_FOLLOW=1``, opt-in). Every server first serves the same WARMUP early-ending
+strict with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5; and learned at its default quantile not following the
+answers (``GPU_ASGI_FOLLOW=0``). Every server first serves the same WARMUP early-ending
 requests (a learned server starts strict: it has seen no answer yet).
 """
 
@@ -54,8 +54,8 @@ MEAN_LENGTH = 68
 RESERVE_ROWS: tuple[tuple[str, dict[str, str] | None], ...] = (
     ("vLLM alone", None),
     ("strict", {"GPU_ASGI_RESERVE": "strict"}),
-    ("learned 0.9 (default)", {}),
-    ("learned 0.9, following", {"GPU_ASGI_FOLLOW": "1"}),
+    ("learned 0.9 (default: following)", {}),
+    ("learned 0.9, not following", {"GPU_ASGI_FOLLOW": "0"}),
     ("learned 0.75", {"GPU_ASGI_RESERVE": "0.75"}),
     ("learned 0.97", {"GPU_ASGI_RESERVE": "0.97"}),
     ("strict, oversubscribe x1.5", {"GPU_ASGI_RESERVE": "strict", "GPU_ASGI_OVERSUBSCRIBE": "1.5"}),
@@ -307,7 +307,7 @@ def reservation_plot(early: Sequence[Mixed], fixed: Sequence[Mixed], path: str) 
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=False)
     for ax, rows, title in ((axes[0], early, "answers that end early"), (axes[1], fixed, "fixed lengths (ignore_eos)")):
-        names = [r.name.replace(" (default)", "\n(default)").replace(", ", ",\n") for r in rows]
+        names = [r.name.replace(" (default", "\n(default").replace(", ", ",\n") for r in rows]
         bars = ax.bar(range(len(rows)), [r.tokens_per_s for r in rows], color=["grey"] + ["tab:blue"] * (len(rows) - 1))
         for bar, row in zip(bars, rows):
             ax.annotate(f"{row.preemptions} pre.", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
