@@ -22,8 +22,12 @@ gpu_asgi reserves on two workloads, each BURST requests at once (a heavy tenant 
 that stop at EOS are; the same lengths for every server) and today's fixed lengths (``ignore_eos``,
 180 tokens). Rows: vLLM alone, ``strict``, learned at its default quantile and at two others, and
 strict with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5; and learned at its default quantile not following the
-answers (``GPU_ASGI_FOLLOW=0``). Every server first serves the same WARMUP early-ending
-requests (a learned server starts strict: it has seen no answer yet).
+answers (``GPU_ASGI_FOLLOW=0``). One more row is vLLM alone with the client sending at most as many
+requests at once as strict's reservations admit (usable blocks over each request's worst-case
+blocks): the most strict can do, whatever gpu_asgi costs. Every server first serves the same
+WARMUP early-ending requests (a learned server starts strict: it has seen no answer yet). Each
+workload runs ``--rounds`` times (every row once per round, one server at a time); a row's ratio
+is the median of its per-round ratios to vLLM alone's tokens/s in the same round.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import argparse
 import asyncio
 import math
 import random
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +55,8 @@ BURST = 48
 WARMUP = 32
 EARLY_MAX_TOKENS = 400
 MEAN_LENGTH = 68
+#: Tokens of ``_server.prompt_text()``'s prompts (about ``words + 3``).
+PROMPT_TOKENS = 20
 #: (row name, GPU_ASGI_* settings) of the reservations section; None: vLLM alone.
 RESERVE_ROWS: tuple[tuple[str, dict[str, str] | None], ...] = (
     ("vLLM alone", None),
@@ -258,21 +265,33 @@ class Mixed:
     mean_tokens: float
 
 
-async def mixed_burst(name: str, server: VLLMProcess, lengths: Sequence[int | None], max_tokens: int) -> Mixed:
+def strict_share(max_tokens: int) -> int:
+    """How many requests strict's reservations admit at once: usable blocks over a request's
+    worst case (prompt + ``max_tokens``)."""
+    worst = math.ceil((PROMPT_TOKENS + max_tokens) / _server.BLOCK_SIZE)
+    return (_server.NUM_BLOCKS - 1) // worst
+
+
+async def mixed_burst(
+    name: str, server: VLLMProcess, lengths: Sequence[int | None], max_tokens: int, at_once: int | None = None
+) -> Mixed:
     """One request per entry of ``lengths``, all at once (None: run to ``max_tokens``); every sixth
-    is the light tenant's, the rest the heavy one's."""
+    is the light tenant's, the rest the heavy one's. ``at_once``: the client sends no more than
+    that many at a time (the others wait in it, in order)."""
     before = preemptions(server.url)
+    gate = asyncio.Semaphore(at_once or len(lengths))
     limits = httpx.Limits(max_connections=len(lengths) + 8, max_keepalive_connections=len(lengths) + 8)
     async with httpx.AsyncClient(base_url=server.url, timeout=900, limits=limits) as client:
+
+        async def one(i: int, length: int | None) -> Outcome:
+            async with gate:
+                return await _server.complete(
+                    client, max_tokens=max_tokens, headers={"x-tenant": "light" if i % 6 == 5 else "heavy"},
+                    fields=None if length is None else _server.ends_at(length),
+                )
+
         started = time.monotonic()
-        calls = [
-            _server.complete(
-                client, max_tokens=max_tokens, headers={"x-tenant": "light" if i % 6 == 5 else "heavy"},
-                fields=None if length is None else _server.ends_at(length),
-            )
-            for i, length in enumerate(lengths)
-        ]
-        outcomes = await asyncio.gather(*calls)
+        outcomes = await asyncio.gather(*(one(i, length) for i, length in enumerate(lengths)))
         seconds = time.monotonic() - started
     done = [o for o in outcomes if o.status == 200]
     light = [o.seconds for i, o in enumerate(outcomes) if i % 6 == 5 and o.status == 200]
@@ -284,39 +303,75 @@ async def mixed_burst(name: str, server: VLLMProcess, lengths: Sequence[int | No
     )
 
 
-def mixed_table(rows: Sequence[Mixed]) -> str:
-    alone = rows[0]
+@dataclass
+class Rounds:
+    """One row's bursts, a round each, and their tokens/s over vLLM alone's in the same round."""
+
+    name: str
+    bursts: list[Mixed]
+    ratios: list[float]
+
+    def median(self, field: str) -> float:
+        return statistics.median(getattr(b, field) for b in self.bursts)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+
+def mixed_table(rows: Sequence[Rounds]) -> str:
     lines = [
-        "| server | completed tokens/s | vs alone | p50 s | p99 s | light p99 s | preemptions | completed | refused "
-        "| tokens/answer |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| server | completed tokens/s | vs alone | vs alone, each round | p50 s | p99 s | light p99 s "
+        "| preemptions, each round | completed | refused | tokens/answer |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.name} | {r.tokens_per_s:.0f} | {r.tokens_per_s / alone.tokens_per_s:.2f}x | {r.p50:.1f} | "
-            f"{r.p99:.1f} | {r.light_p99:.1f} | {r.preemptions} | {r.completed} | {r.refused} | {r.mean_tokens:.0f} |"
+            f"| {r.name} | {r.median('tokens_per_s'):.0f} | {r.ratio:.2f}x | "
+            f"{', '.join(f'{x:.2f}' for x in r.ratios)} | {r.median('p50'):.1f} | {r.median('p99'):.1f} | "
+            f"{r.median('light_p99'):.1f} | {', '.join(str(b.preemptions) for b in r.bursts)} | "
+            f"{sum(b.completed for b in r.bursts)} | {sum(b.refused for b in r.bursts)} | {r.median('mean_tokens'):.0f} |"
         )
     return "\n".join(lines)
 
 
-def reservation_plot(early: Sequence[Mixed], fixed: Sequence[Mixed], path: str) -> None:
+def reservation_plot(early: Sequence[Rounds], fixed: Sequence[Rounds], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=False)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
     for ax, rows, title in ((axes[0], early, "answers that end early"), (axes[1], fixed, "fixed lengths (ignore_eos)")):
         names = [r.name.replace(" (default", "\n(default").replace(", ", ",\n") for r in rows]
-        bars = ax.bar(range(len(rows)), [r.tokens_per_s for r in rows], color=["grey"] + ["tab:blue"] * (len(rows) - 1))
+        colours = ["grey", "silver"] + ["tab:blue"] * (len(rows) - 2)
+        bars = ax.bar(range(len(rows)), [r.median("tokens_per_s") for r in rows], color=colours)
         for bar, row in zip(bars, rows):
-            ax.annotate(f"{row.preemptions} pre.", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ax.annotate(f"{sum(b.preemptions for b in row.bursts)} pre.", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)), names, fontsize=7, rotation=30, ha="right")
         ax.set_title(title, fontsize=9)
-        ax.set_ylabel("completed tokens/s")
+        ax.set_ylabel("completed tokens/s (median of the rounds)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+async def workload(
+    servers: Sequence[VLLMProcess], lengths: Sequence[int | None], max_tokens: int, rounds: int
+) -> list[Rounds]:
+    """Every row of RESERVE_ROWS, and vLLM alone at strict's share, once per round, one server at a time."""
+    share = strict_share(max_tokens)
+    names = [RESERVE_ROWS[0][0], f"vLLM alone, {share} at once (strict's share)", *(name for name, _ in RESERVE_ROWS[1:])]
+    targets = [(servers[0], None), (servers[0], share), *((server, None) for server in servers[1:])]
+    rows = [Rounds(name, [], []) for name in names]
+    for n in range(rounds):
+        for row, (server, at_once) in zip(rows, targets):
+            row.bursts.append(await mixed_burst(row.name, server, lengths, max_tokens, at_once))
+        alone = rows[0].bursts[-1].tokens_per_s
+        for row in rows:
+            row.ratios.append(row.bursts[-1].tokens_per_s / alone)
+        print(f"round {n + 1} of {rounds}: " + ", ".join(f"{r.name} {r.ratios[-1]:.2f}x" for r in rows), flush=True)
+    return rows
 
 
 async def reservations(args: argparse.Namespace, servers: Sequence[VLLMProcess]) -> None:
@@ -325,23 +380,23 @@ async def reservations(args: argparse.Namespace, servers: Sequence[VLLMProcess])
         row = await mixed_burst("warm-up", server, warm, EARLY_MAX_TOKENS)
         print(f"warm-up {server.name}: {row.completed} completed, {row.mean_tokens:.0f} tokens/answer, "
               f"{row.preemptions} preemptions, {row.seconds:.1f} s", flush=True)
-    early_rows, fixed_rows = [], []
     lengths = early_lengths(BURST, seed=2)
-    for (name, _), server in zip(RESERVE_ROWS, servers):
-        early_rows.append(await mixed_burst(name, server, lengths, EARLY_MAX_TOKENS))
-    for (name, _), server in zip(RESERVE_ROWS, servers):
-        fixed_rows.append(await mixed_burst(name, server, [None] * BURST, MAX_TOKENS))
+    early_rows = await workload(servers, lengths, EARLY_MAX_TOKENS, args.rounds)
+    fixed_rows = await workload(servers, [None] * BURST, MAX_TOKENS, args.rounds)
     print(f"## answers that end early: {BURST} requests at once, max_tokens {EARLY_MAX_TOKENS}, lengths mean "
-          f"{sum(lengths) / len(lengths):.0f} (geometric), heavy and light tenants 5:1\n")
+          f"{sum(lengths) / len(lengths):.0f} (geometric), heavy and light tenants 5:1, {args.rounds} rounds\n")
     print(mixed_table(early_rows))
-    print(f"\n## fixed lengths: {BURST} requests at once, {MAX_TOKENS} tokens each (ignore_eos)\n")
+    print(f"\n## fixed lengths: {BURST} requests at once, {MAX_TOKENS} tokens each (ignore_eos), {args.rounds} rounds\n")
     print(mixed_table(fixed_rows))
-    alone, strict, learned = early_rows[0], early_rows[1], early_rows[2]
-    print(f"\nearly, learned default: {learned.tokens_per_s / alone.tokens_per_s:.2f}x alone's tokens/s, "
-          f"preemptions {learned.preemptions} vs alone's {alone.preemptions}; strict {strict.tokens_per_s / alone.tokens_per_s:.2f}x")
-    falone, fstrict, flearned = fixed_rows[0], fixed_rows[1], fixed_rows[2]
-    print(f"fixed: strict {fstrict.tokens_per_s / falone.tokens_per_s:.2f}x with {fstrict.preemptions} preemptions; "
-          f"learned {flearned.tokens_per_s / fstrict.tokens_per_s:.2f}x strict's, {flearned.preemptions} preemptions")
+    alone, share, strict, learned = early_rows[:4]
+    print(f"\nearly, learned default: {learned.ratio:.2f}x alone's tokens/s, preemptions "
+          f"{sum(b.preemptions for b in learned.bursts)} vs alone's {sum(b.preemptions for b in alone.bursts)}; "
+          f"strict {strict.ratio:.2f}x (strict's share of vLLM alone: {share.ratio:.2f}x)")
+    _, fshare, fstrict, flearned = fixed_rows[:4]
+    by_round = [f / s for f, s in zip(flearned.ratios, fstrict.ratios)]
+    print(f"fixed: strict {fstrict.ratio:.2f}x with {sum(b.preemptions for b in fstrict.bursts)} preemptions "
+          f"(strict's share of vLLM alone: {fshare.ratio:.2f}x); learned {statistics.median(by_round):.2f}x strict's "
+          f"(each round: {', '.join(f'{x:.2f}' for x in by_round)}), {sum(b.preemptions for b in flearned.bursts)} preemptions")
     if args.plot:
         reservation_plot(early_rows, fixed_rows, args.plot)
         print(f"plot: {args.plot}")
@@ -362,6 +417,7 @@ def main() -> None:
     parser.add_argument("--plot", help="write the over-subscription plot (PNG) here")
     parser.add_argument("--tenant-seconds", type=float, default=40.0)
     parser.add_argument("--period", type=float, default=2.0, help="seconds between the tenants' sends")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each workload (--section reservations)")
     parser.add_argument("--section", choices=("overload", "reservations"), default="overload",
                         help="overload, tenants and deadlines (the default), or what is reserved")
     args = parser.parse_args()
