@@ -48,6 +48,20 @@ def test_it_converges_on_the_quantile_of_a_known_length_distribution() -> None:
     assert lengths.predict(100, ROUTE) == 100  # never above the request's own limit
 
 
+def test_the_chance_an_answer_goes_on_is_counted_among_those_that_got_as_far() -> None:
+    lengths = OutputLengths(min_samples=4)
+    assert lengths.survival(0, 100, ROUTE) == 1.0  # nothing seen: it goes on
+    for length in (10, 20, 30, 40, 50, 60, 70, 80):
+        lengths.observe(length, ROUTE)
+    assert lengths.survival(0, 40, ROUTE) == 0.5  # 4 of 8 were longer than 40
+    assert lengths.survival(20, 40, ROUTE) == 4 / 6  # of the 6 longer than 20, 4 went past 40
+    assert lengths.survival(40, 30, ROUTE) == 1.0  # it is already past 30
+    assert lengths.survival(50, 60, ROUTE) == 1.0  # only 3 got past 50: too few to say
+    assert lengths.survival(0, 80, ROUTE) == 0.0
+    lengths.observe(30, ROUTE, truncated=True)  # cut by its limit: it would have gone on past any
+    assert lengths.survival(0, 1000, ROUTE) == 1 / 9
+
+
 def test_answers_cut_by_their_limit_count_as_at_least_that_limit() -> None:
     lengths = OutputLengths(0.5, min_samples=4)
     for _ in range(3):
@@ -132,6 +146,27 @@ async def test_a_warm_route_reserves_the_prediction_and_learns_from_usage() -> N
     assert held[:4] == [(4 + 400) * 10] * 4  # cold: prompt + max_tokens
     assert held[4] == (4 + 30) * 10  # warm: prompt + the learnt 30
     assert lengths.statistics()[0].samples == 5
+
+
+@pytest.mark.parametrize("learned", [True, False])
+async def test_an_admission_tells_the_chance_its_answer_goes_on(learned: bool) -> None:
+    """``Admission.survival``: from the route's answers when learning (30 tokens each here), else
+    certain until the limit (strict: nothing is known)."""
+    lengths = OutputLengths(0.9, min_samples=4) if learned else None
+    chances: list[tuple[float, float, float]] = []
+
+    @gpu_bound()
+    async def completions(request: Request) -> Response:
+        await request.body()
+        admission: Admission = request.state.gpu_admission
+        chances.append((admission.survival(0, 20), admission.survival(0, 30), admission.survival(0, 400)))
+        return JSONResponse({"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"completion_tokens": 30}})
+
+    async with client(app_with(Ledger(10**6), lengths, completions)) as http:
+        for _ in range(5):
+            assert (await http.post("/v1/completions", json=body())).status_code == 200
+    assert chances[0] == (1.0, 1.0, 0.0)  # nothing seen yet; its limit ends it at 400
+    assert chances[4] == ((1.0, 0.0, 0.0) if learned else (1.0, 1.0, 0.0))  # 4 answers of 30 seen
 
 
 async def test_strict_is_the_default_and_reserves_the_limit() -> None:

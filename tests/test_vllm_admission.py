@@ -81,6 +81,9 @@ def test_settings_default_and_parse() -> None:
     assert VLLMSettings().quantile == 0.9  # learned lengths by default
     for text, quantile in (("strict", None), ("STRICT", None), ("learned", 0.9), ("0.75", 0.75), ("1", 1.0)):
         assert VLLMSettings.from_env({"GPU_ASGI_RESERVE": text}).quantile == quantile
+    assert VLLMSettings().growth is None  # following holds all the growth by default
+    for text, growth in (("all", None), ("ALL", None), ("0.99", 0.99)):
+        assert VLLMSettings.from_env({"GPU_ASGI_GROWTH": text}).growth == growth
 
 
 @pytest.mark.parametrize(
@@ -102,6 +105,8 @@ def test_settings_default_and_parse() -> None:
         ({"GPU_ASGI_RESERVE": "0"}, "expected strict, learned or a quantile"),
         ({"GPU_ASGI_RESERVE": "1.5"}, "GPU_ASGI_RESERVE"),
         ({"GPU_ASGI_RESERVE": "worst"}, "GPU_ASGI_RESERVE"),
+        ({"GPU_ASGI_GROWTH": "1"}, "expected all or a quantile in (0, 1)"),
+        ({"GPU_ASGI_GROWTH": "most"}, "GPU_ASGI_GROWTH"),
     ],
 )
 def test_settings_refuse_what_they_cannot_use(environ: dict[str, str], message: str) -> None:

@@ -136,6 +136,27 @@ async def test_an_answer_past_its_prediction_is_forecast_a_step_further_and_may_
     assert await ledger.reserve_if_free(1) is None
 
 
+@pytest.mark.parametrize(("growth", "forecast_blocks"), [(None, 10), (0.99, 5)])
+async def test_pooled_growth_holds_the_quantile_of_what_the_answers_may_take(
+    growth: float | None, forecast_blocks: int
+) -> None:
+    """Ten fresh answers whose route's answers went past one block one time in five: all of their
+    growth is 10 blocks; its 0.99 quantile (``GPU_ASGI_GROWTH=0.99``) 5, from the chance each
+    answer reports (``Admission.survival``)."""
+    ledger, engine, _, following = await setup(blocks=20)
+    following.growth_quantile = growth
+    asked: list[tuple[int, int]] = []
+    for name in "abcdefghij":
+        _, _, admission = await admitted(ledger, following, name)
+        admission.survival = lambda tokens, later: asked.append((tokens, later)) or 0.2
+        engine.run(f"cmpl-{name}-0", 1)
+    following.resize()
+    assert following.forecast.nbytes == forecast_blocks * BLOCK_BYTES
+    assert ledger.statistics().reserved_bytes == (10 + forecast_blocks) * BLOCK_BYTES
+    # Asked from where each answer is, for the step its second block starts (token 108).
+    assert (asked[0] if growth else None) == ((1, 108) if growth else None)
+
+
 class Growth:
     """The metrics as far as following writes them: bytes forecast past an admitted peak."""
 

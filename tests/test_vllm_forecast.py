@@ -3,6 +3,9 @@ step-by-step count, and the bounds admission relies on."""
 
 from __future__ import annotations
 
+import math
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,3 +91,43 @@ def test_the_growth_one_request_gave_back_serves_another_but_never_the_blocks_it
     # requests admitted on them as they ended made vLLM preempt (16 blocks for a cache of 15).
     ending = Running(held=204, end=205, steps=1)
     assert peak_blocks([*[ending] * 6, fresh], 128) == (13, 14)
+
+
+# -- pooled growth (GPU_ASGI_GROWTH) --------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(requests(), max_size=10), st.sampled_from([16, 128]), st.floats(0.01, 0.999))
+def test_pooled_growth_is_all_of_it_when_every_answer_goes_on_and_never_more(
+    running: list[Running], block_size: int, quantile: float
+) -> None:
+    assert peak_blocks(running, block_size, quantile) == peak_blocks(running, block_size)
+    chancy = [Running(r.held, r.end, r.steps, r.sequences, lambda step: 0.5) for r in running]
+    now, pooled = peak_blocks(chancy, block_size, quantile)
+    assert (now, pooled) <= peak_blocks(running, block_size)
+    assert pooled >= now
+
+
+def test_pooled_growth_is_the_quantile_of_how_many_go_on() -> None:
+    """Ten fresh answers (20 prompt tokens, 128-token blocks), each taking its second block at
+    step 108 if it is still running then, with a chance of 0.2 (geometric lengths of mean 68):
+    the 0.99 quantile of Binomial(10, 0.2) is 5 blocks, where holding all of it is 10."""
+    fresh = [Running(21, 220, 200, 1, lambda step: 0.2)] * 10
+    assert peak_blocks(fresh, 128) == (10, 20)
+    spread = [math.comb(10, k) * 0.2**k * 0.8 ** (10 - k) for k in range(11)]
+    expected = next(k for k in range(11) if sum(spread[: k + 1]) >= 0.99)
+    assert expected == 5
+    assert peak_blocks(fresh, 128, 0.99) == (10, 10 + expected)
+    assert peak_blocks(fresh, 128, 0.5) == (10, 12)
+
+
+def test_pooled_growth_misses_about_as_often_as_its_quantile_says() -> None:
+    """Draw who goes on, many times: the growth held covers the drawn growth in at least about
+    the quantile's share of draws."""
+    rng = random.Random(3)
+    chances = [rng.uniform(0.05, 0.6) for _ in range(12)]
+    fresh = [Running(21, 220, 200, 1, lambda step, c=c: c) for c in chances]  # type: ignore[misc]
+    now, peak = peak_blocks(fresh, 128, 0.95)
+    covered = sum(sum(rng.random() < c for c in chances) <= peak - now for _ in range(4000))
+    assert covered / 4000 >= 0.94
+    assert peak - now < 12  # and less than all of it

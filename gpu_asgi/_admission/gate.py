@@ -103,6 +103,16 @@ class Admission:
         if self._meter is not None:
             self._meter.endpoint_grows = True
 
+    def survival(self, tokens: int, later: int) -> float:
+        """The chance that this answer, having generated ``tokens`` per sequence, goes on past
+        ``later``: learnt from the answers of its route (and tenant) that got as far. 1.0 where
+        nothing is known (admitted strictly, or too few answers got that far); 0.0 from
+        :attr:`max_new_tokens` on."""
+        meter = self._meter
+        if meter is None:
+            return 0.0 if later >= self.max_new_tokens else 1.0
+        return meter.survival(tokens, later)
+
     def report_peak_bytes(self, nbytes: int) -> None:
         """Report the request's measured peak bytes: to the estimate-versus-actual metric, and to
         the estimator when it learns (an ``ObservingEstimator``, as ``CalibratedEstimator`` is)."""

@@ -67,6 +67,13 @@ class UsageMeter:
         #: still learnt, the reservation is never grown here.
         self.endpoint_grows = False
 
+    def survival(self, tokens: int, later: int) -> float:
+        """The chance this answer, at ``tokens`` per sequence, goes on past ``later`` (its route's
+        and tenant's answers, as :meth:`OutputLengths.survival` counts them)."""
+        if later >= self._limit:
+            return 0.0  # its limit ends it there
+        return self._lengths.survival(tokens, later, self._route, self._tenant)
+
     # -- what an endpoint reports itself --------------------------------------------------
 
     def report(self, tokens: int, *, done: bool = False, truncated: bool = False) -> int:

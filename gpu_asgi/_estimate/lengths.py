@@ -97,13 +97,35 @@ class OutputLengths:
         """Tokens to reserve for an answer of at most ``limit`` tokens: the learnt quantile, at most
         ``limit``; ``limit`` itself until enough answers of this route (and tenant) were seen."""
         with self._lock:
-            window = self._windows.get((route, tenant)) if tenant is not None else None
-            if window is None or len(window.sorted) < self.min_samples:
-                window = self._windows.get((route, None))
-                if window is None or len(window.sorted) < self.min_samples:
-                    return limit
+            window = self._window(route, tenant)
+            if window is None:
+                return limit
             length = window.quantile(self.quantile)
         return limit if length >= limit else max(1, math.ceil(length))
+
+    def survival(self, tokens: int, later: int, route: str, tenant: str | None = None) -> float:
+        """The chance that an answer which has generated ``tokens`` goes on past ``later`` tokens:
+        the share of the answers of its route (and tenant, as :meth:`predict` chooses) longer than
+        ``tokens`` that were also longer than ``later``. 1.0 while fewer than ``min_samples``
+        answers got past ``tokens`` (nothing known: it goes on); a censored answer goes on past any."""
+        with self._lock:
+            window = self._window(route, tenant)
+            if window is None:
+                return 1.0
+            ordered = window.sorted
+            reached = len(ordered) - bisect.bisect_right(ordered, tokens)
+            if reached < self.min_samples:
+                return 1.0
+            return (len(ordered) - bisect.bisect_right(ordered, max(tokens, later))) / reached
+
+    def _window(self, route: str, tenant: str | None) -> _Window | None:
+        """The (route, tenant) window once it has enough answers, else the route's; None: neither."""
+        window = self._windows.get((route, tenant)) if tenant is not None else None
+        if window is None or len(window.sorted) < self.min_samples:
+            window = self._windows.get((route, None))
+            if window is None or len(window.sorted) < self.min_samples:
+                return None
+        return window
 
     def observe(self, tokens: int, route: str, tenant: str | None = None, *, truncated: bool = False) -> None:
         """An answer of ``tokens`` tokens ended; ``truncated`` when its own limit cut it (it would

@@ -91,8 +91,12 @@ class Following(HeldOnATimer):
         interval: float = DEFAULT_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         metrics: GPUMetrics | None = None,
+        growth_quantile: float | None = None,
     ) -> None:
         super().__init__(ledger, interval)
+        #: ``GPU_ASGI_GROWTH``: below 1, the growth held is this quantile of the running set's,
+        #: each answer going on as its route's answers went on (``forecast``); None: all of it.
+        self.growth_quantile = growth_quantile
         self.engine = engine
         self.metrics = metrics
         self.block_size = block_size
@@ -192,7 +196,7 @@ class Following(HeldOnATimer):
             self._record_past(followed, request)
             targets.append((admission.reservation, blocks_for(request.held, self.block_size) * request.sequences))
         self._rate = max(rate, self._rate * 0.9)
-        held, peak = peak_blocks(running, self.block_size)
+        held, peak = peak_blocks(running, self.block_size, self.growth_quantile)
         targets = [(reservation, n * self.bytes_per_block) for reservation, n in targets]
         targets.append((forecast, (peak - held) * self.bytes_per_block))
         resize_all(targets)
@@ -214,5 +218,9 @@ class Following(HeldOnATimer):
         predicted = admission.reserved_tokens if admission.reserved_tokens is not None else limit
         length = min(limit, max(predicted, tokens + lag + max(16, tokens // 4)))
         now = min(tokens + lag, length)
-        return Running(prompt + now, prompt + length, max(1, length - tokens), admission.batch)
+        going_on = None
+        if self.growth_quantile is not None:
+            def going_on(step: int) -> float:
+                return float(admission.survival(tokens, tokens + step))
+        return Running(prompt + now, prompt + length, max(1, length - tokens), admission.batch, going_on)
 

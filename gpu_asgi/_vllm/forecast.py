@@ -14,11 +14,16 @@ starts later is not in the set: admission reserves its own peak for it (``prompt
 forecast length), which is never less than what it adds to the held blocks and the growth, so
 what the ledger must hold stays within what it holds (docs/vllm.md, "Reservations that follow
 the answers").
+
+With a ``quantile`` below 1 (``GPU_ASGI_GROWTH``) the growth is pooled: each running request
+goes on to each later step only with the chance its route's answers that got as far went on
+(``Running.going_on``), and at each step the growth held is that quantile of the sum, not the sum:
+several answers rarely all run long. A miss (more growth than held) costs a preemption.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .._estimate.paged import blocks_for as blocks
@@ -39,28 +44,40 @@ class Running:
     steps: int
     #: Sequences it generates (``n``), each with blocks of its own.
     sequences: int = 1
+    #: The chance it is still running ``s`` steps from now (None: certainly, until ``steps``).
+    going_on: Callable[[int], float] | None = None
 
 
-def peak_blocks(running: Iterable[Running], block_size: int) -> tuple[int, int]:
+def _taken(request: Running, block_size: int) -> tuple[int, list[int]]:
+    """``(blocks now, the steps at which it takes each further block)``, per sequence."""
+    held, end = min(request.held, request.end), request.end
+    first = blocks(held, block_size)
+    steps = []
+    # A new block is taken at the step whose token is the first past a block's end.
+    for boundary in range(first * block_size, blocks(end, block_size) * block_size, block_size):
+        step = boundary + 1 - held
+        if step > request.steps - 1:
+            break
+        steps.append(step)
+    return first, steps
+
+
+def peak_blocks(running: Iterable[Running], block_size: int, quantile: float | None = None) -> tuple[int, int]:
     """``(now, peak)``: the blocks the requests hold now, and those the ledger must hold for them:
     ``now`` plus the most that the requests still running at any step from now on will have
-    taken beyond what they hold now (each gains a token per step until its forecast end)."""
+    taken beyond what they hold now (each gains a token per step until its forecast end). With a
+    ``quantile`` below 1, that quantile of it at each step, each request running on by chance."""
+    running = list(running)
+    if quantile is not None and quantile < 1:
+        return _pooled(running, block_size, quantile)
     now = 0
     events: list[tuple[int, int]] = []  # (step, change of the growth)
     for request in running:
-        held, end = min(request.held, request.end), request.end
-        first = blocks(held, block_size)
+        first, taken = _taken(request, block_size)
         now += first * request.sequences
-        last_step = request.steps - 1
-        # A new block is taken at the step whose token is the first past a block's end.
-        for boundary in range(first * block_size, blocks(end, block_size) * block_size, block_size):
-            step = boundary + 1 - held
-            if step > last_step:
-                break
-            events.append((step, request.sequences))
-        grown = blocks(min(held + last_step, end), block_size) - first
-        if grown:
-            events.append((request.steps, -grown * request.sequences))
+        events += [(step, request.sequences) for step in taken]
+        if taken:
+            events.append((request.steps, -len(taken) * request.sequences))
     # At one step, the blocks taken come before those freed: under async scheduling vLLM may
     # schedule a step before it has freed the blocks of a request that ended in the step before.
     events.sort(key=lambda event: (event[0], -event[1]))
@@ -69,3 +86,47 @@ def peak_blocks(running: Iterable[Running], block_size: int) -> tuple[int, int]:
         growth += change
         most = max(most, growth)
     return now, now + most
+
+
+def _pooled(running: list[Running], block_size: int, quantile: float) -> tuple[int, int]:
+    """:func:`peak_blocks` with each request's growth counted at a step only with the chance it
+    is still running then: the ``quantile`` of the sum at each step where a block is taken."""
+    now, grown = 0, []
+    for request in running:
+        first, taken = _taken(request, block_size)
+        now += first * request.sequences
+        if taken:
+            grown.append((request, taken))
+    most = 0
+    for step in sorted({step for _, taken in grown for step in taken}):
+        weights, chances = [], []
+        for request, taken in grown:
+            if step > request.steps:  # ended (freed after the takes of its last step)
+                continue
+            count = sum(1 for s in taken if s <= step)
+            if count:
+                weights.append(count * request.sequences)
+                chances.append(1.0 if request.going_on is None else min(1.0, max(0.0, request.going_on(step))))
+        most = max(most, _quantile_of_sum(weights, chances, quantile))
+    return now, now + most
+
+
+def _quantile_of_sum(weights: list[int], chances: list[float], quantile: float) -> int:
+    """The ``quantile`` of the sum of ``weights[i]``, each counted with chance ``chances[i]``
+    (independently): the least total at or above which a share ``1 - quantile`` lies."""
+    spread = [1.0] + [0.0] * sum(weights)  # spread[k]: the chance the sum is k
+    top = 0
+    for weight, chance in zip(weights, chances):
+        if chance <= 0:
+            continue
+        top += weight
+        for k in range(top, weight - 1, -1):
+            spread[k] = spread[k] * (1 - chance) + spread[k - weight] * chance
+        for k in range(weight - 1, -1, -1):
+            spread[k] *= 1 - chance
+    below = 0.0
+    for total, share in enumerate(spread[: top + 1]):
+        below += share
+        if below >= quantile - 1e-12:
+            return total
+    return top

@@ -83,6 +83,8 @@ def build(
     )
     lengths = None if settings.quantile is None else OutputLengths(settings.quantile)
     reserve = "strict" if lengths is None else f"learned lengths, quantile {settings.quantile:g}"
+    if lengths is not None and settings.follow and settings.growth is not None:
+        reserve += f", following with pooled growth {settings.growth:g}"
     vllm_logger().info(
         "gpu_asgi admits %s against %d bytes (%s, reserving %s, over-subscription %g, ledger %s)",
         ", ".join(tagged), budget, server.describe(), reserve, settings.oversubscribe,
@@ -108,7 +110,7 @@ def build(
         if Following.available(engine):
             following = Following(
                 ledger, engine, block_size=server.block_size, bytes_per_block=estimator.bytes_per_block,
-                metrics=metrics,
+                metrics=metrics, growth_quantile=settings.growth,
             )
         else:
             vllm_logger().warning(

@@ -60,6 +60,10 @@ class VLLMSettings:
     #: and the growth the running set is forecast to take, read from vLLM's progress (``1``, the
     #: default), or hold each at its predicted length from its start (``0``).
     follow: bool = True
+    #: ``GPU_ASGI_GROWTH``: while following, hold ``all`` the growth the running answers may take
+    #: (the default) or a quantile in (0, 1) of it, each answer going on with the chance its
+    #: route's answers that got as far went on (several rarely all run long; a miss preempts).
+    growth: float | None = None
     #: ``GPU_ASGI_REDIS_TIMEOUT``: seconds the shared ledger waits for one Redis answer before
     #: admission fails closed (``ledger-unavailable``); raise it on a host whose CPUs are saturated.
     redis_timeout: float = DEFAULT_REDIS_TIMEOUT
@@ -162,6 +166,19 @@ def _reserve(text: str) -> float | None:
     return quantile
 
 
+def _growth(text: str) -> float | None:
+    """``all`` or a quantile in (0, 1)."""
+    if text.lower() == "all":
+        return None
+    try:
+        quantile = float(text)
+    except ValueError:
+        quantile = math.nan
+    if not 0 < quantile < 1:
+        raise ValueError("expected all or a quantile in (0, 1)")
+    return quantile
+
+
 def _flag(text: str) -> bool:
     value = text.strip().lower()
     if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
@@ -186,5 +203,6 @@ _PARSERS: dict[str, tuple[str, Callable[[str], object]]] = {
     "GPU_ASGI_REDIS_TIMEOUT": ("redis_timeout", _number(float, 0.01, 60, "seconds from 0.01 to 60")),
     "GPU_ASGI_RESERVE": ("quantile", _reserve),
     "GPU_ASGI_FOLLOW": ("follow", _flag),
+    "GPU_ASGI_GROWTH": ("growth", _growth),
     "GPU_ASGI_OVERSUBSCRIBE": ("oversubscribe", _number(float, 0.1, MAX_OVERSUBSCRIBE, f"a factor from 0.1 to {MAX_OVERSUBSCRIBE:g}")),
 }
