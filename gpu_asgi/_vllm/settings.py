@@ -151,17 +151,23 @@ def _ledger_url(text: str) -> str | None:
     return text
 
 
+def _quantile(text: str, *, one: bool) -> float:
+    """A number in (0, 1] (``one``) or (0, 1); NaN where it is none."""
+    try:
+        quantile = float(text)
+    except ValueError:
+        return math.nan
+    return quantile if 0 < quantile < 1 or (one and quantile == 1) else math.nan
+
+
 def _reserve(text: str) -> float | None:
     """``strict``, ``learned`` (the default quantile) or a quantile in (0, 1]."""
     if text.lower() == "strict":
         return None
     if text.lower() == "learned":
         return DEFAULT_QUANTILE
-    try:
-        quantile = float(text)
-    except ValueError:
-        quantile = math.nan
-    if not 0 < quantile <= 1:
+    quantile = _quantile(text, one=True)
+    if math.isnan(quantile):
         raise ValueError("expected strict, learned or a quantile in (0, 1]")
     return quantile
 
@@ -170,11 +176,8 @@ def _growth(text: str) -> float | None:
     """``all`` or a quantile in (0, 1)."""
     if text.lower() == "all":
         return None
-    try:
-        quantile = float(text)
-    except ValueError:
-        quantile = math.nan
-    if not 0 < quantile < 1:
+    quantile = _quantile(text, one=False)
+    if math.isnan(quantile):
         raise ValueError("expected all or a quantile in (0, 1)")
     return quantile
 
