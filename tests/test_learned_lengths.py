@@ -21,6 +21,7 @@ from ._asgi import Words, client
 
 PER_TOKEN = LinearEstimator(bytes_per_token=10)
 ROUTE = "POST /v1/completions"
+LIMIT = 400
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -29,10 +30,10 @@ ROUTE = "POST /v1/completions"
 def test_cold_start_reserves_the_declared_limit() -> None:
     lengths = OutputLengths(min_samples=4)
     for _ in range(3):
-        lengths.observe(10, ROUTE)
-    assert lengths.predict(400, ROUTE) == 400  # 3 answers seen: not enough
-    lengths.observe(10, ROUTE)
-    assert lengths.predict(400, ROUTE) == 10
+        lengths.observe(10, ROUTE, limit=LIMIT)
+    assert lengths.predict(LIMIT, ROUTE) == 400  # 3 answers seen: not enough
+    lengths.observe(10, ROUTE, limit=LIMIT)
+    assert lengths.predict(LIMIT, ROUTE) == 10
 
 
 def test_it_converges_on_the_quantile_of_a_known_length_distribution() -> None:
@@ -42,62 +43,114 @@ def test_it_converges_on_the_quantile_of_a_known_length_distribution() -> None:
     p = 1 / 68
     lengths = OutputLengths(0.9, window=2000, min_samples=16)
     for _ in range(2000):
-        lengths.observe(math.ceil(math.log(1 - rng.random()) / math.log(1 - p)), ROUTE)
+        lengths.observe(math.ceil(math.log(1 - rng.random()) / math.log(1 - p)), ROUTE, limit=4096)
     expected = math.log(10) / -math.log(1 - p)
     assert abs(lengths.predict(4096, ROUTE) - expected) / expected < 0.1
-    assert lengths.predict(100, ROUTE) == 100  # never above the request's own limit
+    assert lengths.predict(2100, ROUTE) == lengths.predict(4096, ROUTE)  # one band of limits: 2,049 to 4,096
+
+
+def test_a_prediction_is_learnt_among_answers_with_a_limit_in_the_same_band() -> None:
+    lengths = OutputLengths(0.9, min_samples=4)
+    for _ in range(8):
+        lengths.observe(300, ROUTE, limit=500)
+    assert lengths.predict(400, ROUTE) == 300  # 257 to 512: the same band
+    assert lengths.predict(280, ROUTE) == 280  # never above the request's own limit
+    assert lengths.predict(256, ROUTE) == 256  # another band: nothing known, the limit
+    assert lengths.predict(1000, ROUTE) == 1000
+    assert lengths.survival(0, 100, 180, ROUTE) == 1.0  # nothing known in its band: it goes on
+    for _ in range(8):
+        lengths.observe(180, ROUTE, limit=180, truncated=True)  # runs to its limit (ignore_eos)
+    assert lengths.predict(180, ROUTE) == 180
+    assert lengths.predict(400, ROUTE) == 300  # the other band is as it was
+    assert {(r.limits, r.samples, r.predicted_tokens) for r in lengths.statistics()} == {
+        ((257, 512), 8, 300), ((129, 256), 8, None)
+    }
 
 
 def test_the_chance_an_answer_goes_on_is_counted_among_those_that_got_as_far() -> None:
     lengths = OutputLengths(min_samples=4)
-    assert lengths.survival(0, 100, ROUTE) == 1.0  # nothing seen: it goes on
-    for length in (10, 20, 30, 40, 50, 60, 70, 80):
-        lengths.observe(length, ROUTE)
-    assert lengths.survival(0, 40, ROUTE) == 0.5  # 4 of 8 were longer than 40
-    assert lengths.survival(20, 40, ROUTE) == 4 / 6  # of the 6 longer than 20, 4 went past 40
-    assert lengths.survival(40, 30, ROUTE) == 1.0  # it is already past 30
-    assert lengths.survival(50, 60, ROUTE) == 1.0  # only 3 got past 50: too few to say
-    assert lengths.survival(0, 80, ROUTE) == 0.0
-    lengths.observe(30, ROUTE, truncated=True)  # cut by its limit: it would have gone on past any
-    assert lengths.survival(0, 1000, ROUTE) == 1 / 9
+    assert lengths.survival(0, 100, LIMIT, ROUTE) == 1.0  # nothing seen: it goes on
+    for length in (80, 10, 70, 20, 60, 30, 50, 40):  # not rising: within what the first four predict
+        lengths.observe(length, ROUTE, limit=LIMIT)
+    assert lengths.survival(0, 40, LIMIT, ROUTE) == 0.5  # 4 of 8 were longer than 40
+    assert lengths.survival(20, 40, LIMIT, ROUTE) == 4 / 6  # of the 6 longer than 20, 4 went past 40
+    assert lengths.survival(40, 30, LIMIT, ROUTE) == 1.0  # it is already past 30
+    assert lengths.survival(50, 60, LIMIT, ROUTE) == 1.0  # only 3 got past 50: too few to say
+    assert lengths.survival(0, 80, LIMIT, ROUTE) == 0.0
+    lengths.observe(30, ROUTE, truncated=True, limit=LIMIT)  # cut by its limit: it would have gone on past any
+    assert lengths.survival(0, 300, LIMIT, ROUTE) == 1 / 9
+    assert lengths.survival(0, LIMIT, LIMIT, ROUTE) == 0.0  # nothing goes on past its own limit
 
 
 def test_answers_cut_by_their_limit_count_as_at_least_that_limit() -> None:
     lengths = OutputLengths(0.5, min_samples=4)
     for _ in range(3):
-        lengths.observe(50, ROUTE, truncated=True)  # would have gone on
-    lengths.observe(10, ROUTE)
-    assert lengths.predict(400, ROUTE) == 400  # the median is censored: the limit, whatever it is
+        lengths.observe(50, ROUTE, truncated=True, limit=LIMIT)  # would have gone on
+    lengths.observe(10, ROUTE, limit=LIMIT)
+    assert lengths.predict(LIMIT, ROUTE) == 400  # the median is censored: the limit, whatever it is
     for _ in range(4):
-        lengths.observe(10, ROUTE)
-    assert lengths.predict(400, ROUTE) == 10
+        lengths.observe(10, ROUTE, limit=LIMIT)
+    assert lengths.predict(LIMIT, ROUTE) == 10
 
 
 def test_a_tenant_with_enough_answers_of_its_own_is_predicted_from_them() -> None:
     lengths = OutputLengths(0.9, min_samples=4)
     for _ in range(8):
-        lengths.observe(300, ROUTE, "long")
+        lengths.observe(300, ROUTE, "long", limit=LIMIT)
     for _ in range(40):
-        lengths.observe(20, ROUTE, "short")
-    assert lengths.predict(1000, ROUTE, "long") == 300
-    assert lengths.predict(1000, ROUTE, "short") == 20
-    assert lengths.predict(1000, ROUTE, "new") == 300  # the route's: 8 of its 48 answers are 300
-    assert lengths.predict(1000, "POST /other", "short") == 1000  # nothing known of that route
+        lengths.observe(20, ROUTE, "short", limit=LIMIT)
+    assert lengths.predict(LIMIT, ROUTE, "long") == 300
+    assert lengths.predict(LIMIT, ROUTE, "short") == 20
+    assert lengths.predict(LIMIT, ROUTE, "new") == 300  # the route's: 8 of its 48 answers are 300
+    assert lengths.predict(LIMIT, "POST /other", "short") == LIMIT  # nothing known of that route
 
 
 def test_its_memory_is_bounded_and_follows_changing_traffic() -> None:
     lengths = OutputLengths(0.5, window=10, min_samples=5, max_keys=3)
     for _ in range(10):
-        lengths.observe(500, ROUTE)
+        lengths.observe(300, ROUTE, limit=LIMIT)
     for _ in range(10):
-        lengths.observe(20, ROUTE)  # the traffic changed: the old answers left the window
-    assert lengths.predict(1000, ROUTE) == 20
+        lengths.observe(20, ROUTE, limit=LIMIT)  # the traffic changed: the old answers left the window
+    assert lengths.predict(LIMIT, ROUTE) == 20
     for tenant in ("a", "b", "c", "d"):
-        lengths.observe(5, ROUTE, tenant)
+        lengths.observe(5, ROUTE, tenant, limit=LIMIT)
     rows = lengths.statistics()
     # max_keys: the least recently seen keys went first (the route's own is seen with every answer)
     assert {(r.route, r.tenant) for r in rows} == {(ROUTE, None), (ROUTE, "c"), (ROUTE, "d")}
     assert all(r.samples <= 10 for r in rows)
+
+
+def test_survival_is_not_trusted_while_answers_run_past_what_was_learnt() -> None:
+    """Short answers learnt, then the traffic changes to long ones: while more of the last answers
+    ran past the prediction than the quantile allows, an answer is said to go on (pooled growth
+    then holds all of it); once the window has followed the change, survival is counted again."""
+    lengths = OutputLengths(0.9, window=64, min_samples=8)
+    rng = random.Random(3)
+    for _ in range(64):
+        lengths.observe(rng.randint(10, 50), ROUTE, limit=LIMIT)
+    assert lengths.survival(20, 100, LIMIT, ROUTE) == 0.0  # none of 64 went past 100
+    assert not lengths.statistics()[0].drifting
+    long_ones = 0
+    while not lengths.statistics()[0].drifting and long_ones < 64:
+        lengths.observe(300, ROUTE, limit=LIMIT)  # past the 0.9 quantile (about 50) every time
+        long_ones += 1
+    assert long_ones <= 8  # noticed within a few answers: of the last 16, 1.6 are past it by chance
+    assert lengths.predict(LIMIT, ROUTE) < 300  # the window has not followed yet
+    assert lengths.survival(20, 100, LIMIT, ROUTE) == 1.0
+    for _ in range(64):
+        lengths.observe(300, ROUTE, limit=LIMIT)
+    assert not lengths.statistics()[0].drifting  # settled on the new lengths
+    assert lengths.survival(20, 350, LIMIT, ROUTE) == 0.0
+
+
+def test_answers_that_end_within_the_quantile_by_chance_are_not_drifting() -> None:
+    lengths = OutputLengths(0.9, window=256, min_samples=16)
+    rng = random.Random(11)
+    drifted = 0
+    for _ in range(5000):
+        lengths.observe(math.ceil(math.log(1 - rng.random()) / math.log(1 - 1 / 68)), ROUTE, limit=LIMIT)
+        drifted += lengths.statistics()[0].drifting
+    assert drifted < 5000 * 0.01  # three standard deviations: rarely by chance
 
 
 @pytest.mark.parametrize("options", [{"quantile": 0}, {"quantile": 1.5}, {"window": 0}, {"min_samples": 0},
@@ -181,7 +234,7 @@ async def test_a_stream_past_its_prediction_grows_its_reservation_and_is_learnt(
     ledger = Ledger(10**6)
     lengths = OutputLengths(0.9, min_samples=4)
     for _ in range(4):
-        lengths.observe(20, ROUTE)
+        lengths.observe(20, ROUTE, limit=LIMIT)
     seen: list[int] = []
 
     @gpu_bound()
@@ -231,7 +284,7 @@ async def test_a_stream_cut_by_its_limit_is_learnt_as_censored() -> None:
 async def test_an_endpoint_of_another_shape_reports_its_tokens_and_grows_before_it_allocates() -> None:
     ledger = Ledger(10**6)
     lengths = OutputLengths(0.9, min_samples=1)
-    lengths.observe(10, ROUTE)
+    lengths.observe(10, ROUTE, limit=LIMIT)
     grown: list[int] = []
 
     @gpu_bound()
@@ -295,12 +348,13 @@ async def test_what_was_learnt_shows_in_health_and_metrics() -> None:
         GPUAdmissionMiddleware, ledger=ledger, estimator=PER_TOKEN, token_counter=Words(), output_lengths=lengths,
         metrics=metrics,
     )
-    lengths.observe(10, ROUTE)
-    lengths.observe(10, ROUTE)
+    lengths.observe(10, ROUTE, limit=LIMIT)
+    lengths.observe(10, ROUTE, limit=LIMIT)
     async with client(app) as http:
         assert (await http.post("/v1/completions", json=body())).status_code == 200
     (row,) = health_report(ledger, output_lengths=lengths)["output_lengths"]
-    assert row == {"route": ROUTE, "tenant": None, "samples": 3, "censored": 0, "predicted_tokens": 60}
+    assert row == {"route": ROUTE, "tenant": None, "limits": (257, 512), "samples": 3, "censored": 0,
+                   "predicted_tokens": 60, "drifting": False}
     text = generate_latest(metrics.registry).decode()
     assert "gpu_asgi_reservation_grown_bytes_total" in text
     grown = next(line for line in text.splitlines() if line.startswith("gpu_asgi_reservation_grown_bytes_total"))

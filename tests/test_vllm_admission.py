@@ -81,7 +81,7 @@ def test_settings_default_and_parse() -> None:
     assert VLLMSettings().quantile == 0.9  # learned lengths by default
     for text, quantile in (("strict", None), ("STRICT", None), ("learned", 0.9), ("0.75", 0.75), ("1", 1.0)):
         assert VLLMSettings.from_env({"GPU_ASGI_RESERVE": text}).quantile == quantile
-    assert VLLMSettings().growth is None  # following holds all the growth by default
+    assert VLLMSettings().growth == 0.99  # following holds the 0.99 quantile of the growth by default
     for text, growth in (("all", None), ("ALL", None), ("0.99", 0.99)):
         assert VLLMSettings.from_env({"GPU_ASGI_GROWTH": text}).growth == growth
 

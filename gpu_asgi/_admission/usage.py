@@ -70,9 +70,7 @@ class UsageMeter:
     def survival(self, tokens: int, later: int) -> float:
         """The chance this answer, at ``tokens`` per sequence, goes on past ``later`` (its route's
         and tenant's answers, as :meth:`OutputLengths.survival` counts them)."""
-        if later >= self._limit:
-            return 0.0  # its limit ends it there
-        return self._lengths.survival(tokens, later, self._route, self._tenant)
+        return self._lengths.survival(tokens, later, self._limit, self._route, self._tenant)
 
     # -- what an endpoint reports itself --------------------------------------------------
 
@@ -101,7 +99,7 @@ class UsageMeter:
     def _learn(self) -> None:
         if not self._ended:
             self._ended = True
-            self._lengths.observe(self.tokens, self._route, self._tenant, truncated=self._truncated)
+            self._lengths.observe(self.tokens, self._route, self._tenant, limit=self._limit, truncated=self._truncated)
 
     # -- what the responder sees going out ------------------------------------------------
 

@@ -11,7 +11,15 @@ predicts a chosen quantile of them. The rule (docs/admission.md, "Learned length
 - a prediction is never above the request's own limit, and never below 1 token;
 - with fewer than ``min_samples`` answers seen (cold start, a new tenant or route), the prediction
   is the limit: the worst case, as strict admission reserves;
-- a request's (route, tenant) lengths are used once there are enough of them, else its route's.
+- a request's (route, tenant) lengths are used once there are enough of them, else its route's;
+- both only among answers whose declared limit was in the request's band (:func:`limit_band`: 257
+  to 512, 513 to 1,024, ...): a client that declares another limit often asks for another kind of
+  answer, and one that runs every answer to its limit (``ignore_eos``) is learnt apart from the
+  others.
+
+:meth:`OutputLengths.survival` (pooled growth, ``GPU_ASGI_GROWTH``) trusts the window only while
+its answers end within what it predicts as often as its quantile says: while more of the last
+answers ran past the prediction than chance allows (the traffic changed), it says "goes on".
 
 Memory is bounded: ``window`` answers per key (older ones drop out, so the model follows traffic
 as it changes) and ``max_keys`` keys (the least recently seen go first).
@@ -31,15 +39,45 @@ DEFAULT_MIN_SAMPLES = 16
 DEFAULT_MAX_KEYS = 1024
 
 
+def limit_band(limit: int) -> int:
+    """The band of declared limits an answer is learnt with: ``b`` holds ``2**(b-1) + 1`` to
+    ``2**b`` (400 is in 257-512, 4,096 in 2,049-4,096)."""
+    return max(0, limit - 1).bit_length()
+
+
+def _band_limits(band: int) -> tuple[int, int]:
+    return (1, 1) if band == 0 else (2 ** (band - 1) + 1, 2**band)
+
+
 class _Window:
-    """The last ``size`` lengths, in arrival order and sorted (censored ones as ``inf``)."""
+    """The last ``size`` lengths, in arrival order and sorted (censored ones as ``inf``), and for
+    each of the last ``checked``, whether it ran past what the window predicted when it ended."""
 
-    __slots__ = ("arrivals", "size", "sorted")
+    __slots__ = ("arrivals", "past", "past_count", "size", "sorted")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, checked: int) -> None:
         self.size = size
         self.arrivals: deque[float] = deque()
         self.sorted: list[float] = []
+        self.past: deque[bool] = deque(maxlen=checked)
+        self.past_count = 0
+
+    def check(self, length: float, predicted: float) -> None:
+        """Notes whether an answer of ``length`` ran past ``predicted`` (before it is added)."""
+        if len(self.past) == self.past.maxlen and self.past[0]:
+            self.past_count -= 1
+        went_past = length > predicted
+        self.past.append(went_past)
+        self.past_count += went_past
+
+    def drifting(self, quantile: float) -> bool:
+        """More of the last answers ran past the prediction than a share ``1 - quantile`` of them
+        would by chance (three standard deviations over)."""
+        n = len(self.past)
+        if 2 * n < (self.past.maxlen or 0):
+            return False  # too few to tell
+        miss = 1 - quantile
+        return self.past_count > n * miss + 3 * math.sqrt(n * miss * quantile)
 
     def add(self, length: float) -> None:
         if len(self.arrivals) == self.size:
@@ -60,10 +98,15 @@ class LengthStatistics:
 
     route: str
     tenant: str | None
+    #: The declared limits (lowest, highest) of the answers counted here (:func:`limit_band`).
+    limits: tuple[int, int]
     samples: int
     censored: int
     #: The quantile's length in tokens; None while it is censored (an answer cut at its limit).
     predicted_tokens: int | None
+    #: More of the last answers ran past the prediction than chance allows: pooled growth holds
+    #: all of these answers' growth until they settle.
+    drifting: bool
 
 
 class OutputLengths:
@@ -90,27 +133,31 @@ class OutputLengths:
         self.window = window
         self.min_samples = min_samples
         self.max_keys = max_keys
-        self._windows: OrderedDict[tuple[str, str | None], _Window] = OrderedDict()
+        self._windows: OrderedDict[tuple[str, str | None, int], _Window] = OrderedDict()
         self._lock = threading.Lock()
 
     def predict(self, limit: int, route: str, tenant: str | None = None) -> int:
         """Tokens to reserve for an answer of at most ``limit`` tokens: the learnt quantile, at most
-        ``limit``; ``limit`` itself until enough answers of this route (and tenant) were seen."""
+        ``limit``; ``limit`` itself until enough answers of this route (and tenant) with a limit in
+        the same band were seen."""
         with self._lock:
-            window = self._window(route, tenant)
+            window = self._window(route, tenant, limit_band(limit))
             if window is None:
                 return limit
             length = window.quantile(self.quantile)
         return limit if length >= limit else max(1, math.ceil(length))
 
-    def survival(self, tokens: int, later: int, route: str, tenant: str | None = None) -> float:
-        """The chance that an answer which has generated ``tokens`` goes on past ``later`` tokens:
-        the share of the answers of its route (and tenant, as :meth:`predict` chooses) longer than
-        ``tokens`` that were also longer than ``later``. 1.0 while fewer than ``min_samples``
-        answers got past ``tokens`` (nothing known: it goes on); a censored answer goes on past any."""
+    def survival(self, tokens: int, later: int, limit: int, route: str, tenant: str | None = None) -> float:
+        """The chance that an answer of at most ``limit`` tokens which has generated ``tokens`` goes
+        on past ``later`` tokens: the share of the answers :meth:`predict` learns from that were
+        longer than ``tokens`` and also longer than ``later``. 0.0 from ``limit`` on. 1.0 while
+        fewer than ``min_samples`` answers got past ``tokens``, or while those answers are drifting
+        (nothing known: it goes on); a censored answer goes on past any."""
+        if later >= limit:
+            return 0.0  # its limit ends it there
         with self._lock:
-            window = self._window(route, tenant)
-            if window is None:
+            window = self._window(route, tenant, limit_band(limit))
+            if window is None or window.drifting(self.quantile):
                 return 1.0
             ordered = window.sorted
             reached = len(ordered) - bisect.bisect_right(ordered, tokens)
@@ -118,48 +165,56 @@ class OutputLengths:
                 return 1.0
             return (len(ordered) - bisect.bisect_right(ordered, max(tokens, later))) / reached
 
-    def _window(self, route: str, tenant: str | None) -> _Window | None:
-        """The (route, tenant) window once it has enough answers, else the route's; None: neither."""
-        window = self._windows.get((route, tenant)) if tenant is not None else None
+    def _window(self, route: str, tenant: str | None, band: int) -> _Window | None:
+        """The (route, tenant) window of the band once it has enough answers, else the route's;
+        None: neither."""
+        window = self._windows.get((route, tenant, band)) if tenant is not None else None
         if window is None or len(window.sorted) < self.min_samples:
-            window = self._windows.get((route, None))
+            window = self._windows.get((route, None, band))
             if window is None or len(window.sorted) < self.min_samples:
                 return None
         return window
 
-    def observe(self, tokens: int, route: str, tenant: str | None = None, *, truncated: bool = False) -> None:
-        """An answer of ``tokens`` tokens ended; ``truncated`` when its own limit cut it (it would
-        have been longer)."""
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, got {tokens}")
+    def observe(
+        self, tokens: int, route: str, tenant: str | None = None, *, limit: int, truncated: bool = False
+    ) -> None:
+        """An answer of ``tokens`` tokens ended, its declared limit ``limit``; ``truncated`` when
+        that limit cut it (it would have been longer)."""
+        if tokens < 0 or limit < 1:
+            raise ValueError(f"need tokens >= 0 and limit >= 1, got {tokens} and {limit}")
         length = math.inf if truncated else float(tokens)
+        band = limit_band(limit)
         with self._lock:
-            self._add((route, None), length)
+            self._add((route, None, band), length)
             if tenant is not None:
-                self._add((route, tenant), length)
+                self._add((route, tenant, band), length)
 
-    def _add(self, key: tuple[str, str | None], length: float) -> None:
+    def _add(self, key: tuple[str, str | None, int], length: float) -> None:
         windows = self._windows
         window = windows.get(key)
         if window is None:
-            window = windows[key] = _Window(self.window)
+            window = windows[key] = _Window(self.window, checked=2 * self.min_samples)
             while len(windows) > self.max_keys:
                 windows.popitem(last=False)
         else:
             windows.move_to_end(key)
+        if len(window.sorted) >= self.min_samples:
+            window.check(length, window.quantile(self.quantile))
         window.add(length)
 
     def statistics(self) -> tuple[LengthStatistics, ...]:
         """Each key's samples and prediction, most recently used last."""
         with self._lock:
-            items = [(key, len(w.sorted), sum(map(math.isinf, w.sorted)), w) for key, w in self._windows.items()]
             rows = []
-            for (route, tenant), samples, censored, window in items:
-                predicted = None
+            for (route, tenant, band), window in self._windows.items():
+                samples, predicted = len(window.sorted), None
                 if samples >= self.min_samples:
                     length = window.quantile(self.quantile)
                     predicted = None if math.isinf(length) else max(1, math.ceil(length))
-                rows.append(LengthStatistics(route, tenant, samples, censored, predicted))
+                censored = sum(map(math.isinf, window.sorted))
+                rows.append(LengthStatistics(
+                    route, tenant, _band_limits(band), samples, censored, predicted, window.drifting(self.quantile)
+                ))
         return tuple(rows)
 
     def __repr__(self) -> str:

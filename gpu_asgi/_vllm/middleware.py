@@ -83,8 +83,8 @@ def build(
     )
     lengths = None if settings.quantile is None else OutputLengths(settings.quantile)
     reserve = "strict" if lengths is None else f"learned lengths, quantile {settings.quantile:g}"
-    if lengths is not None and settings.follow and settings.growth is not None:
-        reserve += f", following with pooled growth {settings.growth:g}"
+    if lengths is not None and settings.follow:
+        reserve += ", following, all growth" if settings.growth is None else f", following, pooled growth {settings.growth:g}"
     vllm_logger().info(
         "gpu_asgi admits %s against %d bytes (%s, reserving %s, over-subscription %g, ledger %s)",
         ", ".join(tagged), budget, server.describe(), reserve, settings.oversubscribe,

@@ -20,6 +20,8 @@ from .._ledger.url import REDIS_SCHEMES
 
 PREFIX = "GPU_ASGI_"
 DEFAULT_NAMESPACE = "gpu_asgi:vllm"
+#: ``GPU_ASGI_GROWTH``'s default: the quantile of the running answers' growth held while following.
+DEFAULT_GROWTH = 0.99
 #: The largest over-subscription accepted: beyond it vLLM preempts on nearly every step.
 MAX_OVERSUBSCRIBE = 4.0
 
@@ -60,10 +62,11 @@ class VLLMSettings:
     #: and the growth the running set is forecast to take, read from vLLM's progress (``1``, the
     #: default), or hold each at its predicted length from its start (``0``).
     follow: bool = True
-    #: ``GPU_ASGI_GROWTH``: while following, hold ``all`` the growth the running answers may take
-    #: (the default) or a quantile in (0, 1) of it, each answer going on with the chance its
-    #: route's answers that got as far went on (several rarely all run long; a miss preempts).
-    growth: float | None = None
+    #: ``GPU_ASGI_GROWTH``: while following, hold a quantile in (0, 1) of the growth the running
+    #: answers may take (0.99, the default), each answer going on with the chance its route's
+    #: answers that got as far went on (several rarely all run long; a miss preempts), or ``all``
+    #: of it (None).
+    growth: float | None = DEFAULT_GROWTH
     #: ``GPU_ASGI_REDIS_TIMEOUT``: seconds the shared ledger waits for one Redis answer before
     #: admission fails closed (``ledger-unavailable``); raise it on a host whose CPUs are saturated.
     redis_timeout: float = DEFAULT_REDIS_TIMEOUT
