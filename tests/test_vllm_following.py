@@ -153,8 +153,9 @@ async def test_pooled_growth_holds_the_quantile_of_what_the_answers_may_take(
     following.resize()
     assert following.forecast.nbytes == forecast_blocks * BLOCK_BYTES
     assert ledger.statistics().reserved_bytes == (10 + forecast_blocks) * BLOCK_BYTES
-    # Asked from where each answer is, for the step its second block starts (token 108).
-    assert (asked[0] if growth else None) == ((1, 108) if growth else None)
+    # Asked from where each answer is, for the step before its second block starts (token 108):
+    # counted at a step if it ran in the one before, as vLLM may free an ender's blocks a step late.
+    assert (asked[0] if growth else None) == ((1, 107) if growth else None)
 
 
 class Growth:

@@ -106,7 +106,10 @@ def _pooled(running: list[Running], block_size: int, quantile: float) -> tuple[i
             count = sum(1 for s in taken if s <= step)
             if count:
                 weights.append(count * request.sequences)
-                chances.append(1.0 if request.going_on is None else min(1.0, max(0.0, request.going_on(step))))
+                # Its blocks are held at this step if it ran in the step before: vLLM may free
+                # them a step late, as the exact count (the takes before the frees) assumes.
+                chance = 1.0 if request.going_on is None else request.going_on(max(0, step - 1))
+                chances.append(min(1.0, max(0.0, chance)))
         most = max(most, _quantile_of_sum(weights, chances, quantile))
     return now, now + most
 
