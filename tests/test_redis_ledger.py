@@ -352,6 +352,39 @@ async def test_shrink_gives_bytes_to_a_waiter_of_another_worker(
     await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
 
 
+async def test_a_shrink_lands_after_the_grows_made_before_it_whatever_the_lease(
+    make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
+) -> None:
+    """One process moves bytes from one lease to another (a grow, then a shrink: what vLLM's
+    following does every reading). Each change is its own call to Redis; were the shrink to land
+    first, another process's waiter would be granted the bytes the grow is about to take, and the
+    budget over-committed (the two-process vLLM test saw it as a preemption)."""
+    first, second = make_ledger(100), make_ledger(100)
+    running, forecast = await first.reserve(60), await first.reserve(0)
+    slow_grow = asyncio.Event()
+    release = first._upkeep.scripts.release
+
+    async def grow_slowly(id: str, keep: int, finished: bool) -> None:
+        if id == forecast.id:
+            await slow_grow.wait()
+        await release(id, keep, finished)
+
+    first._upkeep.scripts.release = grow_slowly  # type: ignore[method-assign]
+    waiter = asyncio.ensure_future(second.reserve(50))
+    await eventually(queued(redis_server, namespace, 1))
+    forecast.grow(40)  # the grow first: the ledger never holds less than both sizes need
+    running.shrink(20)
+    assert await still_waiting(waiter, settle=0.5)  # the shrink has not freed anything yet
+    assert redis_server.ledger_state(namespace)["reserved"] == 60
+    slow_grow.set()
+    await eventually(lambda: redis_server.ledger_state(namespace)["reserved"] == 60 and first.statistics().reserved_bytes == 60)
+    assert await still_waiting(waiter, settle=0.3)  # 40 free, 50 asked
+    running.release()
+    (await asyncio.wait_for(waiter, 5)).release()
+    forecast.release()
+    await eventually(lambda: redis_server.ledger_state(namespace) == EMPTY)
+
+
 async def test_statistics_and_retry_after_cover_every_worker(
     make_ledger: MakeLedger, redis_server: RedisServer, namespace: str
 ) -> None:

@@ -492,7 +492,7 @@ class RedisLedger(LedgerBase):
         if inner is not None:  # granted by the local fallback: that ledger counts the growth too
             inner.grow(hold)
         if inner is None or rid in upkeep.restored:
-            upkeep.release(rid, hold, False)
+            upkeep.release(rid, hold, False, grows=True)
 
     def _returned(self, reservation: Reservation, keep: int, finished: bool) -> None:
         rid, upkeep = reservation.id, self._upkeep

@@ -126,6 +126,8 @@ class Upkeep:
         self._restoring: dict[str, asyncio.Task[None]] = {}
         #: Each lease's last change sent (shrink, grow, release), which its next one waits for.
         self._changing: dict[str, asyncio.Task[None]] = {}
+        #: Grows not landed yet, of any lease: a shrink or release made after them waits for them.
+        self._growing: set[asyncio.Task[None]] = set()
         #: Lease changes and queue exits whose tries all failed, by id: the latest of each, sent
         #: again once a heartbeat lands (the amounts are absolute, so a repeat changes nothing).
         self.owed_releases: dict[str, tuple[int, bool]] = {}
@@ -277,23 +279,33 @@ class Upkeep:
 
     # -- tracked background calls -------------------------------------------------------
 
-    def release(self, rid: str, keep: int, finished: bool) -> None:
+    def release(self, rid: str, keep: int, finished: bool, *, grows: bool = False) -> None:
         """Tell Redis what lease ``rid`` keeps now (a shrink, a grow, or its end), after every
-        earlier change of it: the amounts are absolute, so they must land in the order made."""
-        task = self.spawn(self._release(rid, keep, finished, self._changing.get(rid)))
+        earlier change of it: the amounts are absolute, so they must land in the order made.
+        A shrink or release also lands after every grow made before it, of any lease: bytes moved
+        from one lease to another (a grow, then a shrink) must never be free in Redis meanwhile,
+        or another process would be granted them and the budget over-committed."""
+        earlier = [task for task in (self._changing.get(rid),) if task is not None]
+        if not grows:
+            earlier += self._growing
+        task = self.spawn(self._release(rid, keep, finished, earlier))
         if task is not None:
             self._changing[rid] = task
             task.add_done_callback(functools.partial(self._changed, rid))
+            if grows:
+                self._growing.add(task)
+                task.add_done_callback(self._growing.discard)
 
     def _changed(self, rid: str, task: asyncio.Task[None]) -> None:
         """Forget lease ``rid``'s last change once it has landed, unless a later one follows it."""
         if self._changing.get(rid) is task:
             del self._changing[rid]
 
-    async def _release(self, rid: str, keep: int, finished: bool, before: asyncio.Task[None] | None) -> None:
+    async def _release(self, rid: str, keep: int, finished: bool, earlier: list[asyncio.Task[None]]) -> None:
         restoring = self._restoring.get(rid)
-        earlier = [task for task in (restoring, before) if task is not None]
-        if earlier:  # a restore or an earlier change sent before this one must land first
+        if restoring is not None:
+            earlier = [restoring, *earlier]
+        if earlier:  # a restore or the changes sent before this one that it must follow
             await asyncio.wait(earlier)
         self.owed_releases.pop(rid, None)  # this change supersedes an owed one
         if not await self.retrying(self.scripts.release, rid, keep, finished):
