@@ -285,7 +285,8 @@ class Upkeep:
         A shrink or release also lands after every grow made before it, of any lease: bytes moved
         from one lease to another (a grow, then a shrink) must never be free in Redis meanwhile,
         or another process would be granted them and the budget over-committed."""
-        earlier = [task for task in (self._changing.get(rid),) if task is not None]
+        before = self._changing.get(rid)
+        earlier = [] if before is None else [before]
         if not grows:
             earlier += self._growing
         task = self.spawn(self._release(rid, keep, finished, earlier))
