@@ -78,8 +78,8 @@ def test_settings_default_and_parse() -> None:
     assert VLLMSettings.from_env({"GPU_ASGI_LEDGER_URL": "memory://"}).ledger_url is None
     sentinel = "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379/gpu/0"  # docs/deployment.md, "Failover"
     assert VLLMSettings.from_env({"GPU_ASGI_LEDGER_URL": sentinel}).ledger_url == sentinel
-    assert VLLMSettings().quantile == 0.75  # learned lengths by default
-    for text, quantile in (("strict", None), ("STRICT", None), ("learned", 0.75), ("0.75", 0.75), ("1", 1.0)):
+    assert VLLMSettings().quantile == 0.5  # learned lengths by default
+    for text, quantile in (("strict", None), ("STRICT", None), ("learned", 0.5), ("0.75", 0.75), ("1", 1.0)):
         assert VLLMSettings.from_env({"GPU_ASGI_RESERVE": text}).quantile == quantile
     assert VLLMSettings().growth == 0.99  # following holds the 0.99 quantile of the growth by default
     for text, growth in (("all", None), ("ALL", None), ("0.99", 0.99)):

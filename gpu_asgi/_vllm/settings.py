@@ -21,10 +21,11 @@ PREFIX = "GPU_ASGI_"
 DEFAULT_NAMESPACE = "gpu_asgi:vllm"
 #: ``GPU_ASGI_GROWTH``'s default: the quantile of the running answers' growth held while following.
 DEFAULT_GROWTH = 0.99
-#: ``GPU_ASGI_RESERVE=learned``'s quantile. Lower than an app's default (``OutputLengths``' 0.9):
-#: behind vLLM a miss costs a preemption, not an OOM, and following grows each miss as it runs;
-#: 0.75 was the one setting that met the early-answers bar in runs 8-10 (docs/benchmarks.md).
-DEFAULT_QUANTILE = 0.75
+#: ``GPU_ASGI_RESERVE=learned``'s quantile: the median, where an app's ``OutputLengths`` takes 0.9.
+#: Behind vLLM a miss costs a preemption, not an OOM, and following grows each miss as it runs,
+#: holding the 0.99 quantile of the running answers' growth (``GPU_ASGI_GROWTH``): that, not this,
+#: bounds the preemptions (none at 0.5 in runs 11-12, docs/benchmarks.md).
+DEFAULT_QUANTILE = 0.5
 #: The largest over-subscription accepted: beyond it vLLM preempts on nearly every step.
 MAX_OVERSUBSCRIBE = 4.0
 
@@ -59,7 +60,7 @@ class VLLMSettings:
     oversubscribe: float = 1.0
     #: ``GPU_ASGI_RESERVE``: ``strict`` reserves ``prompt + max_tokens`` (never a preemption);
     #: ``learned`` (the default) or a quantile in (0, 1] reserves ``prompt +`` that quantile of the
-    #: lengths answers of the route really had (``learned`` is 0.75). None: strict.
+    #: lengths answers of the route really had (``learned`` is 0.5). None: strict.
     quantile: float | None = DEFAULT_QUANTILE
     #: ``GPU_ASGI_FOLLOW``: with learned lengths, hold each running answer at the blocks it holds
     #: and the growth the running set is forecast to take, read from vLLM's progress (``1``, the
