@@ -24,8 +24,8 @@ DEFAULT_GROWTH = 0.99
 #: ``GPU_ASGI_RESERVE=learned``'s quantile: the median, where an app's ``OutputLengths`` takes 0.9.
 #: Behind vLLM a miss costs a preemption, not an OOM, and following grows each miss as it runs,
 #: holding the 0.99 quantile of the running answers' growth (``GPU_ASGI_GROWTH``): that, not this,
-#: bounds the preemptions (5 in nine rounds at 0.5 in runs 11-13, vLLM alone 82; docs/benchmarks.md).
-DEFAULT_QUANTILE = 0.5
+#: bounds the preemptions (docs/benchmarks.md, "What is reserved").
+LEARNED_QUANTILE = 0.5
 #: The largest over-subscription accepted: beyond it vLLM preempts on nearly every step.
 MAX_OVERSUBSCRIBE = 4.0
 
@@ -61,7 +61,7 @@ class VLLMSettings:
     #: ``GPU_ASGI_RESERVE``: ``strict`` reserves ``prompt + max_tokens`` (never a preemption);
     #: ``learned`` (the default) or a quantile in (0, 1] reserves ``prompt +`` that quantile of the
     #: lengths answers of the route really had (``learned`` is 0.5). None: strict.
-    quantile: float | None = DEFAULT_QUANTILE
+    quantile: float | None = LEARNED_QUANTILE
     #: ``GPU_ASGI_FOLLOW``: with learned lengths, hold each running answer at the blocks it holds
     #: and the growth the running set is forecast to take, read from vLLM's progress (``1``, the
     #: default), or hold each at its predicted length from its start (``0``).
@@ -172,7 +172,7 @@ def _reserve(text: str) -> float | None:
     if text.lower() == "strict":
         return None
     if text.lower() == "learned":
-        return DEFAULT_QUANTILE
+        return LEARNED_QUANTILE
     quantile = _quantile(text, one=True)
     if math.isnan(quantile):
         raise ValueError("expected strict, learned or a quantile in (0, 1]")
