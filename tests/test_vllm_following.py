@@ -140,15 +140,16 @@ async def test_an_answer_past_its_prediction_is_forecast_a_step_further_and_may_
 async def test_pooled_growth_holds_the_quantile_of_what_the_answers_may_take(
     growth: float | None, forecast_blocks: int
 ) -> None:
-    """Ten fresh answers whose route's answers went past one block one time in five: all of their
-    growth is 10 blocks; its 0.99 quantile (``GPU_ASGI_GROWTH=0.99``) 5, from the chance each
-    answer reports (``Admission.survival``)."""
+    """Ten fresh answers whose route's answers went past one block one time in five and never past
+    two: all of their growth to their predictions is 10 blocks; its 0.99 quantile
+    (``GPU_ASGI_GROWTH=0.99``, to their limits) 5, from the chance each answer reports
+    (``Admission.survival``)."""
     ledger, engine, _, following = await setup(blocks=20)
     following.growth_quantile = growth
     asked: list[tuple[int, int]] = []
     for name in "abcdefghij":
         _, _, admission = await admitted(ledger, following, name)
-        admission.survival = lambda tokens, later: asked.append((tokens, later)) or 0.2
+        admission.survival = lambda tokens, later: asked.append((tokens, later)) or (0.2 if later < 230 else 0.0)
         engine.run(f"cmpl-{name}-0", 1)
     following.resize()
     assert following.forecast.nbytes == forecast_blocks * BLOCK_BYTES
@@ -156,6 +157,22 @@ async def test_pooled_growth_holds_the_quantile_of_what_the_answers_may_take(
     # Asked from where each answer is, for the step before its second block starts (token 108):
     # counted at a step if it ran in the one before, as vLLM may free an ender's blocks a step late.
     assert (asked[0] if growth else None) == ((1, 107) if growth else None)
+
+
+async def test_pooled_growth_looks_past_the_prediction_to_the_limit() -> None:
+    """An answer within its prediction (157 tokens: 2 blocks with its prompt) whose route's answers
+    went on half the time may still run to its limit of 400 (4 blocks): pooled growth holds the
+    blocks it may take until then, not only until its prediction, as all of the growth does."""
+    ledger, engine, _, following = await setup(blocks=20)
+    following.growth_quantile = 0.99
+    _, _, admission = await admitted(ledger, following, "a")
+    admission.survival = lambda tokens, later: 0.5
+    engine.run("cmpl-a-0", 1)
+    following.resize()
+    assert (admission.reservation.nbytes, following.forecast.nbytes) == (BLOCK_BYTES, 3 * BLOCK_BYTES)
+    following.growth_quantile = None  # all of the growth, to the prediction
+    following.resize()
+    assert following.forecast.nbytes == BLOCK_BYTES
 
 
 class Growth:

@@ -191,9 +191,9 @@ class Following(HeldOnATimer):
             elif now > followed.at:
                 rate = max(rate, (tokens - followed.tokens) / (now - followed.at))
             followed.tokens, followed.at = tokens, now
-            request = self._forecast(admission, tokens, lag)
+            request, end = self._forecast(admission, tokens, lag)
             running.append(request)
-            self._record_past(followed, request)
+            self._record_past(followed, request, end)
             targets.append((admission.reservation, blocks_for(request.held, self.block_size) * request.sequences))
         self._rate = max(rate, self._rate * 0.9)
         held, peak = peak_blocks(running, self.block_size, self.growth_quantile)
@@ -201,26 +201,36 @@ class Following(HeldOnATimer):
         targets.append((forecast, (peak - held) * self.bytes_per_block))
         resize_all(targets)
 
-    def _record_past(self, followed: Followed, request: Running) -> None:
+    def _record_past(self, followed: Followed, request: Running, end: int) -> None:
         """Counts in ``gpu_asgi_reservation_grown_bytes`` what an answer past its prediction is now
-        forecast beyond the peak it was admitted on, as the stream meter counts its growth."""
-        own = blocks_for(request.end, self.block_size) * request.sequences * self.bytes_per_block
+        forecast (to ``end`` tokens) beyond the peak it was admitted on, as the stream meter
+        counts its growth."""
+        own = blocks_for(end, self.block_size) * request.sequences * self.bytes_per_block
         past = own - followed.admitted
         if past > followed.past:
             if self.metrics is not None:
                 self.metrics.record_growth(past - followed.past)
             followed.past = past
 
-    def _forecast(self, admission: Any, tokens: int, lag: int) -> Running:
-        """A running request as the forecast sees it: to its predicted length, or a step past
-        where it is once it has run past it (as the answer's meter grows a stream)."""
+    def _forecast(self, admission: Any, tokens: int, lag: int) -> tuple[Running, int]:
+        """A running request as the forecast sees it, and the tokens (prompt included) it is now
+        forecast to end at: its predicted length, or a step past where it is once it has run past
+        it (as the answer's meter grows a stream). With pooled growth the forecast runs on to the
+        request's declared limit, each later step counted with the chance its route's answers
+        that got as far went on: an answer within its prediction may still run long, and the
+        growth held is the quantile of what the running set may take until any of them could end,
+        not only until their predictions (a horizon that short left a block of headroom for a few
+        steps ahead only, and bursts preempted)."""
         prompt, limit = admission.prompt_tokens, admission.max_new_tokens
         predicted = admission.reserved_tokens if admission.reserved_tokens is not None else limit
         length = min(limit, max(predicted, tokens + lag + max(16, tokens // 4)))
-        now = min(tokens + lag, length)
         going_on = None
+        horizon = length
         if self.growth_quantile is not None:
+            horizon = limit
+
             def going_on(step: int) -> float:
                 return float(admission.survival(tokens, tokens + step))
-        return Running(prompt + now, prompt + length, max(1, length - tokens), admission.batch, going_on)
-
+        now = min(tokens + lag, horizon)
+        running = Running(prompt + now, prompt + horizon, max(1, horizon - tokens), admission.batch, going_on)
+        return running, prompt + length
