@@ -100,6 +100,58 @@ async def test_growth_counts_against_the_tenants_quota(backend: Backend) -> None
     reservation.release()
 
 
+async def test_a_reservation_handed_over_grows_its_heir_and_nobody_waiting_is_granted_its_bytes(
+    backend: Backend,
+) -> None:
+    """``hand_over``: the bytes of a reservation released go to its heir, not back to the ledger
+    (vLLM's following lends an ending answer's blocks to the growth of those that outlive it)."""
+    ledger = backend.make(100)
+    answer, heir = await ledger.reserve(60), await ledger.reserve(10)
+    waiter = asyncio.ensure_future(ledger.reserve(50))
+    assert await backend.still_waiting(waiter)
+    answer.hand_over(heir)
+    assert answer.release() == 60
+    assert heir.nbytes == 70 and answer.nbytes == 0
+    assert await backend.still_waiting(waiter)  # 70 + 50 > 100: the 60 never were free
+    assert reserved_in(backend, ledger) == 70
+    assert heir.shrink(50) == 20  # what the heir's forecast no longer needs goes back
+    admitted = await asyncio.wait_for(waiter, 5)
+    admitted.release(), heir.release()
+    await backend.quiet()
+    assert reserved_in(backend, ledger) == 0
+
+
+async def test_bytes_handed_to_a_released_heir_or_taken_back_go_to_the_ledger(backend: Backend) -> None:
+    ledger = backend.make(100)
+    first, second, heir = await ledger.reserve(40), await ledger.reserve(30), await ledger.reserve(0)
+    first.hand_over(heir)
+    second.hand_over(heir)
+    second.hand_over(None)  # taken back
+    assert second.release() == 30 and heir.nbytes == 0
+    heir.release()
+    assert first.release() == 40 and heir.nbytes == 0  # the heir is gone: back to the ledger
+    await backend.quiet()
+    assert reserved_in(backend, ledger) == 0
+    (await asyncio.wait_for(ledger.reserve(100), 5)).release()
+
+
+async def test_a_reservation_hands_over_only_to_another_of_its_device() -> None:
+    ledger = Ledger({"cuda:0": 100, "cuda:1": 100})
+    here, there = await ledger.reserve(10, devices=["cuda:0"]), await ledger.reserve(10, devices=["cuda:1"])
+    with pytest.raises(ValueError, match="same device"):
+        here.hand_over(there)
+    with pytest.raises(ValueError, match="same device"):
+        here.hand_over(here)
+
+    class NoGrow(Ledger):
+        grow = None  # type: ignore[assignment]
+
+    with pytest.raises(NotImplementedError, match="heir"):
+        here.hand_over(Reservation(NoGrow(10), "r1", "cuda:0", 5, 0.0))
+    here.release(), there.release()
+    assert ledger.statistics().reserved_bytes == 0
+
+
 def test_a_ledger_without_grow_says_so() -> None:
     class NoGrow(Ledger):
         grow = None  # type: ignore[assignment]

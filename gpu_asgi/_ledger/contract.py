@@ -174,7 +174,7 @@ class Reservation:
     thread."""
 
     __slots__ = (
-        "_give_back", "_grow", "_held", "_released", "device", "id", "requested_bytes", "tenant", "waited",
+        "_give_back", "_grow", "_heir", "_held", "_released", "device", "id", "requested_bytes", "tenant", "waited",
     )
 
     def __init__(
@@ -190,6 +190,7 @@ class Reservation:
         self._released = False
         self._give_back = _returner(ledger)
         self._grow: Callable[[Reservation, int], None] | None = getattr(ledger, "grow", None)
+        self._heir: Reservation | None = None
 
     @property
     def nbytes(self) -> int:
@@ -218,11 +219,28 @@ class Reservation:
         grow a reservation (one without ``grow``)."""
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
+        return self._add(lambda held: max(0, nbytes - held))
+
+    def hand_over(self, heir: Reservation | None) -> None:
+        """When this reservation is released, its bytes go to ``heir`` (a reservation of the same
+        ledger and device), grown by them before they leave this one, rather than back to the
+        ledger: nobody waiting is granted them in between. For bytes that another reservation's
+        forecast counts on once this one ends (vLLM's following lends an answer's blocks to the
+        growth of the answers that outlive it). None: back to the ledger, as by default."""
+        if heir is not None:
+            if heir is self or heir.device != self.device:
+                raise ValueError("a reservation hands its bytes over to another of the same device")
+            if heir._grow is None:
+                raise NotImplementedError("the heir's ledger has no grow(): it cannot take the bytes")
+        self._heir = heir
+
+    def _add(self, more: Callable[[int], int]) -> int:
+        """Hold ``more(held)`` bytes more, counted by the ledger at once; 0 once released."""
         grow = self._grow
         if grow is None:
             raise NotImplementedError("this reservation's ledger has no grow(): its reservations cannot grow")
         with _HOLDING:
-            added = 0 if self._released else max(0, nbytes - self._held)
+            added = 0 if self._released else more(self._held)
             self._held += added
         if added:
             grow(self, added)
@@ -235,6 +253,10 @@ class Reservation:
                 return 0
             self._released = True
             returned, self._held = self._held, 0
+        heir = self._heir
+        if heir is not None and returned:
+            # The heir grows first: the ledger counts the bytes twice for a moment, never zero times.
+            heir._add(lambda held: returned)
         self._give_back(self, returned, finished=True)
         return returned
 
