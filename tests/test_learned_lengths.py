@@ -72,13 +72,16 @@ def test_the_chance_an_answer_goes_on_is_counted_among_those_that_got_as_far() -
     assert lengths.survival(0, 100, LIMIT, ROUTE) == 1.0  # nothing seen: it goes on
     for length in (80, 10, 70, 20, 60, 30, 50, 40):  # not rising: within what the first four predict
         lengths.observe(length, ROUTE, limit=LIMIT)
-    assert lengths.survival(0, 40, LIMIT, ROUTE) == 0.5  # 4 of 8 were longer than 40
-    assert lengths.survival(20, 40, LIMIT, ROUTE) == 4 / 6  # of the 6 longer than 20, 4 went past 40
+    # Counted as if one more answer had got as far and gone on to its limit:
+    assert lengths.survival(0, 40, LIMIT, ROUTE) == 5 / 9  # 4 of 8 were longer than 40
+    assert lengths.survival(20, 40, LIMIT, ROUTE) == 5 / 7  # of the 6 longer than 20, 4 went past 40
     assert lengths.survival(40, 30, LIMIT, ROUTE) == 1.0  # it is already past 30
-    assert lengths.survival(50, 60, LIMIT, ROUTE) == 1.0  # only 3 got past 50: too few to say
-    assert lengths.survival(0, 80, LIMIT, ROUTE) == 0.0
+    assert lengths.survival(50, 60, LIMIT, ROUTE) == 3 / 4  # 2 of the 3 past 50 went past 60
+    assert lengths.survival(70, 90, LIMIT, ROUTE) == 1 / 2  # 1 got past 70: it says little
+    assert lengths.survival(80, 90, LIMIT, ROUTE) == 1.0  # none got past 80: nothing known
+    assert lengths.survival(0, 80, LIMIT, ROUTE) == 1 / 9  # none of 8 went past 80
     lengths.observe(30, ROUTE, truncated=True, limit=LIMIT)  # cut by its limit: it would have gone on past any
-    assert lengths.survival(0, 300, LIMIT, ROUTE) == 1 / 9
+    assert lengths.survival(0, 300, LIMIT, ROUTE) == 2 / 10
     assert lengths.survival(0, LIMIT, LIMIT, ROUTE) == 0.0  # nothing goes on past its own limit
 
 
@@ -126,9 +129,11 @@ def test_survival_is_not_trusted_while_answers_run_past_what_was_learnt() -> Non
     then holds all of it); once the window has followed the change, survival is counted again."""
     lengths = OutputLengths(0.9, window=64, min_samples=8)
     rng = random.Random(3)
-    for _ in range(64):
-        lengths.observe(rng.randint(10, 50), ROUTE, limit=LIMIT)
-    assert lengths.survival(20, 100, LIMIT, ROUTE) == 0.0  # none of 64 went past 100
+    learnt = [rng.randint(10, 50) for _ in range(64)]
+    for length in learnt:
+        lengths.observe(length, ROUTE, limit=LIMIT)
+    past_20 = sum(length > 20 for length in learnt)
+    assert lengths.survival(20, 100, LIMIT, ROUTE) == 1 / (past_20 + 1)  # none of those past 20 went past 100
     assert not lengths.statistics()[0].drifting
     long_ones = 0
     while not lengths.statistics()[0].drifting and long_ones < 64:
@@ -140,7 +145,7 @@ def test_survival_is_not_trusted_while_answers_run_past_what_was_learnt() -> Non
     for _ in range(64):
         lengths.observe(300, ROUTE, limit=LIMIT)
     assert not lengths.statistics()[0].drifting  # settled on the new lengths
-    assert lengths.survival(20, 350, LIMIT, ROUTE) == 0.0
+    assert lengths.survival(20, 350, LIMIT, ROUTE) == 1 / 65  # none of 64 went past 350
 
 
 def test_answers_that_end_within_the_quantile_by_chance_are_not_drifting() -> None:
@@ -219,7 +224,7 @@ async def test_an_admission_tells_the_chance_its_answer_goes_on(learned: bool) -
         for _ in range(5):
             assert (await http.post("/v1/completions", json=body())).status_code == 200
     assert chances[0] == (1.0, 1.0, 0.0)  # nothing seen yet; its limit ends it at 400
-    assert chances[4] == ((1.0, 0.0, 0.0) if learned else (1.0, 1.0, 0.0))  # 4 answers of 30 seen
+    assert chances[4] == ((1.0, 1 / 5, 0.0) if learned else (1.0, 1.0, 0.0))  # 4 answers of 30 seen
 
 
 async def test_strict_is_the_default_and_reserves_the_limit() -> None:

@@ -105,9 +105,9 @@ class Admission:
 
     def survival(self, tokens: int, later: int) -> float:
         """The chance that this answer, having generated ``tokens`` per sequence, goes on past
-        ``later``: learnt from the answers of its route (and tenant) that got as far. 1.0 where
-        nothing is known (admitted strictly, or too few answers got that far); 0.0 from
-        :attr:`max_new_tokens` on."""
+        ``later``: learnt from the answers of its route (and tenant) that got as far
+        (``OutputLengths.survival``). 1.0 where nothing is known (admitted strictly, or no answer
+        got that far); 0.0 from :attr:`max_new_tokens` on."""
         meter = self._meter
         if meter is None:
             return 0.0 if later >= self.max_new_tokens else 1.0

@@ -17,9 +17,11 @@ predicts a chosen quantile of them. The rule (docs/admission.md, "Learned length
   answer, and one that runs every answer to its limit (``ignore_eos``) is learnt apart from the
   others.
 
-:meth:`OutputLengths.survival` (pooled growth, ``GPU_ASGI_GROWTH``) trusts the window only while
-its answers end within what it predicts as often as its quantile says: while more of the last
-answers ran past the prediction than chance allows (the traffic changed), it says "goes on".
+:meth:`OutputLengths.survival` (pooled growth, ``GPU_ASGI_GROWTH``) counts the answers that got
+as far as one running now, plus one more that goes on to its limit (few answers that far say
+little), and trusts the window only while its answers end within what it predicts as often as its
+quantile says: while more of the last answers ran past the prediction than chance allows (the
+traffic changed), it says "goes on".
 
 Memory is bounded: ``window`` answers per key (older ones drop out, so the model follows traffic
 as it changes) and ``max_keys`` keys (the least recently seen go first).
@@ -149,10 +151,11 @@ class OutputLengths:
 
     def survival(self, tokens: int, later: int, limit: int, route: str, tenant: str | None = None) -> float:
         """The chance that an answer of at most ``limit`` tokens which has generated ``tokens`` goes
-        on past ``later`` tokens: the share of the answers :meth:`predict` learns from that were
-        longer than ``tokens`` and also longer than ``later``. 0.0 from ``limit`` on. 1.0 while
-        fewer than ``min_samples`` answers got past ``tokens``, or while those answers are drifting
-        (nothing known: it goes on); a censored answer goes on past any."""
+        on past ``later`` tokens: among the answers :meth:`predict` learns from that were longer
+        than ``tokens``, the share also longer than ``later``, counted as if one more had got as
+        far and run to its limit, so that few answers that far say little (none: 1.0). 0.0 from
+        ``limit`` on. 1.0 while the window has too few answers, or while they are drifting; a
+        censored answer goes on past any."""
         if later >= limit:
             return 0.0  # its limit ends it there
         with self._lock:
@@ -161,9 +164,8 @@ class OutputLengths:
                 return 1.0
             ordered = window.sorted
             reached = len(ordered) - bisect.bisect_right(ordered, tokens)
-            if reached < self.min_samples:
-                return 1.0
-            return (len(ordered) - bisect.bisect_right(ordered, max(tokens, later))) / reached
+            past = len(ordered) - bisect.bisect_right(ordered, max(tokens, later))
+        return (past + 1) / (reached + 1)
 
     def _window(self, route: str, tenant: str | None, band: int) -> _Window | None:
         """The (route, tenant) window of the band once it has enough answers, else the route's;
