@@ -136,20 +136,22 @@ async def test_an_answer_past_its_prediction_is_forecast_a_step_further_and_may_
     assert await ledger.reserve_if_free(1) is None
 
 
-@pytest.mark.parametrize(("growth", "forecast_blocks"), [(None, 10), (0.99, 5)])
+@pytest.mark.parametrize(("growth", "forecast_blocks"), [(None, 10), (0.99, 8), (0.9, 6)])
 async def test_pooled_growth_holds_the_quantile_of_what_the_answers_may_take(
     growth: float | None, forecast_blocks: int
 ) -> None:
-    """Ten fresh answers whose route's answers went past one block one time in five and never past
-    two: all of their growth to their predictions is 10 blocks; its 0.99 quantile
-    (``GPU_ASGI_GROWTH=0.99``, to their limits) 5, from the chance each answer reports
-    (``Admission.survival``)."""
+    """Ten fresh answers whose route's answers went past one block three times in five and never
+    past two: all of their growth to their predictions is 10 blocks. Pooled
+    (``GPU_ASGI_GROWTH``, to their limits), the set holds 2 blocks for each answer still running
+    when they take their second, from the chance each answer reports (``Admission.survival``):
+    the 0.99 quantile of Binomial(10, 0.6) is 9, so 18 blocks, 8 beyond the 10 they hold; 0.9: 8,
+    so 6 beyond."""
     ledger, engine, _, following = await setup(blocks=20)
     following.growth_quantile = growth
     asked: list[tuple[int, int]] = []
     for name in "abcdefghij":
         _, _, admission = await admitted(ledger, following, name)
-        admission.survival = lambda tokens, later: asked.append((tokens, later)) or (0.2 if later < 230 else 0.0)
+        admission.survival = lambda tokens, later: asked.append((tokens, later)) or (0.6 if later < 230 else 0.0)
         engine.run(f"cmpl-{name}-0", 1)
     following.resize()
     assert following.forecast.nbytes == forecast_blocks * BLOCK_BYTES
@@ -157,6 +159,45 @@ async def test_pooled_growth_holds_the_quantile_of_what_the_answers_may_take(
     # Asked from where each answer is, for the step before its second block starts (token 108):
     # counted at a step if it ran in the one before, as vLLM may free an ender's blocks a step late.
     assert (asked[0] if growth else None) == ((1, 107) if growth else None)
+
+
+async def test_pooled_an_ending_answer_lends_its_blocks_and_hands_them_over_when_it_ends() -> None:
+    """Pooled growth counts an answer's blocks only while it may still run: one about to end lends
+    its 2 blocks to a fresh answer's second, so a waiter comes in on the block all of the growth
+    would hold. When the ending answer's response ends, its bytes go to the forecast's
+    reservation, not to the next waiter (admitted on them, it would take the block the fresh
+    answer's growth was promised: a preemption); the next reading gives back what the set no
+    longer needs."""
+    ledger, engine, _, following = await setup(blocks=4)
+    following.growth_quantile = 0.99
+    _, ending_followed, ending = await admitted(ledger, following, "a")
+    _, _, fresh = await admitted(ledger, following, "b")
+    ending.survival = lambda tokens, later: 1.0 if later < 210 else 0.0
+    fresh.survival = lambda tokens, later: 1.0 if later < 200 else 0.0
+    engine.run("cmpl-a-0", 200)
+    engine.run("cmpl-b-0", 1)
+    first = asyncio.ensure_future(ledger.reserve(BLOCK_BYTES))
+    await asyncio.sleep(0)
+    following.resize()
+    # Now 2 + 1 blocks; at the fresh one's second block the ending one has gone: 3 at most.
+    assert (ending.reservation.nbytes, fresh.reservation.nbytes, following.forecast.nbytes) == (2000, 1000, 0)
+    granted = await asyncio.wait_for(first, 1)  # all of the growth would have held the 4th block
+    second = asyncio.ensure_future(ledger.reserve(2 * BLOCK_BYTES))
+    engine.finish("cmpl-a-0")
+    ending.reservation.release()  # its response ends before the next reading
+    following.leave(ending_followed)
+    assert following.forecast.nbytes == 2 * BLOCK_BYTES
+    assert not await asyncio.wait_for(asyncio.shield(asyncio.sleep(0.01, result=second.done())), 1)
+    following.resize()  # the fresh answer alone peaks at 2 blocks: 1 of the 2 handed over goes back
+    assert following.forecast.nbytes == BLOCK_BYTES
+    assert ledger.statistics().reserved_bytes == 3 * BLOCK_BYTES and not second.done()
+    second.cancel()
+    for reservation in (fresh.reservation, granted):
+        reservation.release()
+    assert following.forecast.nbytes == 2 * BLOCK_BYTES  # handed over again, until the next reading
+    engine.finish("cmpl-b-0")
+    following.resize()
+    assert ledger.statistics().reserved_bytes == 0
 
 
 async def test_pooled_growth_looks_past_the_prediction_to_the_limit() -> None:

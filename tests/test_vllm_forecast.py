@@ -98,52 +98,62 @@ def test_the_growth_one_request_gave_back_serves_another_but_never_the_blocks_it
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(requests(), max_size=10), st.sampled_from([16, 128]), st.floats(0.01, 0.999))
-def test_pooled_growth_is_all_of_it_when_every_answer_goes_on_and_never_more(
+def test_pooled_answers_that_all_go_on_are_held_at_the_most_the_cache_holds_and_chancy_ones_at_less(
     running: list[Running], block_size: int, quantile: float
 ) -> None:
-    assert peak_blocks(running, block_size, quantile) == peak_blocks(running, block_size)
+    """Pooled, answers that go on until their forecast end for certain are held at the most the
+    cache holds at any step, counted one step at a time: never more than all of the growth (an
+    answer's blocks serve another's growth once it has ended), never less than now."""
+    now, pooled = peak_blocks(running, block_size, quantile)
+    assert (now, pooled) == counted(running, block_size)
+    assert pooled <= peak_blocks(running, block_size)[1]
     chancy = [Running(r.held, r.end, r.steps, r.sequences, lambda step: 0.5) for r in running]
-    now, pooled = peak_blocks(chancy, block_size, quantile)
-    assert (now, pooled) <= peak_blocks(running, block_size)
-    assert pooled >= now
+    assert now <= peak_blocks(chancy, block_size, quantile)[1] <= pooled
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(requests(), max_size=10), st.sampled_from([1, 16, 128]), st.floats(0.01, 0.999))
-def test_pooled_growth_of_answers_certain_to_end_at_their_forecast_is_all_of_it(
+def test_pooled_answers_certain_to_end_at_their_forecast_are_held_at_the_most_the_cache_holds(
     running: list[Running], block_size: int, quantile: float
 ) -> None:
     """What a window of fixed-length answers (``ignore_eos``) gives: each goes on until its end
-    for certain and stops there. Pooled growth is then the exact count, including at the step in
-    which one ends while another takes a block (vLLM may free the ender's blocks a step late);
-    counting the ender gone in that step preempted in the two-process vLLM test."""
+    for certain and stops there. Pooled growth then holds exactly what the cache holds at its
+    most, including at the step in which one ends while another takes a block (vLLM may free the
+    ender's blocks a step late; counting the ender gone in that step preempted in the two-process
+    vLLM test). Since the set's reservations keep the bytes of those that end until the next
+    reading (``Reservation.hand_over``), whichever end first, those left fit."""
     certain = [
         Running(r.held, r.end, r.steps, r.sequences, lambda step, steps=r.steps: 1.0 if step < steps else 0.0)  # type: ignore[misc]
         for r in running
     ]
-    assert peak_blocks(certain, block_size, quantile) == peak_blocks(running, block_size)
+    assert peak_blocks(certain, block_size, quantile) == counted(running, block_size)
 
 
 def test_pooled_growth_is_the_quantile_of_how_many_go_on() -> None:
     """Ten fresh answers (20 prompt tokens, 128-token blocks), each taking its second block at
-    step 108 if it is still running then, with a chance of 0.2 (geometric lengths of mean 68):
-    the 0.99 quantile of Binomial(10, 0.2) is 5 blocks, where holding all of it is 10."""
-    fresh = [Running(21, 220, 200, 1, lambda step: 0.2)] * 10
+    step 108 if it is still running then, with a chance of 0.6: the set then holds 2 blocks for
+    each, 2 x the 0.99 quantile of Binomial(10, 0.6), 18 blocks, where all of the growth holds 20.
+    With a chance of 0.2 the 10 blocks they hold now are already more than the 0.99 quantile then
+    (2 x 5): nothing is held beyond them, where all of the growth holds 10 more."""
+    fresh = [Running(21, 220, 200, 1, lambda step: 0.6)] * 10
     assert peak_blocks(fresh, 128) == (10, 20)
-    spread = [math.comb(10, k) * 0.2**k * 0.8 ** (10 - k) for k in range(11)]
+    spread = [math.comb(10, k) * 0.6**k * 0.4 ** (10 - k) for k in range(11)]
     expected = next(k for k in range(11) if sum(spread[: k + 1]) >= 0.99)
-    assert expected == 5
-    assert peak_blocks(fresh, 128, 0.99) == (10, 10 + expected)
+    assert expected == 9
+    assert peak_blocks(fresh, 128, 0.99) == (10, 2 * expected)
     assert peak_blocks(fresh, 128, 0.5) == (10, 12)
+    unlikely = [Running(21, 220, 200, 1, lambda step: 0.2)] * 10
+    assert peak_blocks(unlikely, 128) == (10, 20)
+    assert peak_blocks(unlikely, 128, 0.99) == (10, 10)
 
 
 def test_pooled_growth_misses_about_as_often_as_its_quantile_says() -> None:
-    """Draw who goes on, many times: the growth held covers the drawn growth in at least about
-    the quantile's share of draws."""
+    """Draw who goes on, many times: what the set holds covers the blocks of those drawn to go on
+    (2 each, at their second block) in at least about the quantile's share of draws."""
     rng = random.Random(3)
-    chances = [rng.uniform(0.05, 0.6) for _ in range(12)]
+    chances = [rng.uniform(0.3, 0.9) for _ in range(12)]
     fresh = [Running(21, 220, 200, 1, lambda step, c=c: c) for c in chances]  # type: ignore[misc]
     now, peak = peak_blocks(fresh, 128, 0.95)
-    covered = sum(sum(rng.random() < c for c in chances) <= peak - now for _ in range(4000))
+    covered = sum(2 * sum(rng.random() < c for c in chances) <= peak for _ in range(4000))
     assert covered / 4000 >= 0.94
-    assert peak - now < 12  # and less than all of it
+    assert now < peak < 24  # more than they hold now, less than all of the growth

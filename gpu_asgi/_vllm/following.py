@@ -5,12 +5,15 @@ takes its blocks one at a time and most end before their second. vLLM's API serv
 tracks every request's tokens as the engine returns them (``output_processor.request_states``),
 streamed or not. So, every ``interval``, each admitted request that vLLM runs is held at the
 blocks it holds now (plus what it may add before the next reading), and one reservation of this
-process (tenant ``FORECAST_TENANT``) holds their growth: the most blocks the requests still
-running at any later step will have taken beyond those, each running to its predicted length
-(``forecast.peak_blocks``). A request's held blocks are never counted for another's growth: when
-it ends, the middleware gives them back to the ledger, which admits the next request on them.
-The ledger admits the next request when its own peak fits on top: no request is preempted while
-the answers end within their predictions.
+process (tenant ``FORECAST_TENANT``) holds the rest of what the running set is forecast to need
+(``forecast.peak_blocks``). With all of the growth, that is the most blocks the requests still
+running at any later step will have taken beyond those they hold, each running to its predicted
+length, and a request's held blocks are never counted for another's growth: when it ends, the
+middleware gives them back to the ledger, which admits the next request on them. With pooled
+growth (``GPU_ASGI_GROWTH``), each runs on to its declared limit by chance and may lend its
+blocks to the growth of those that outlive it; so its reservation hands its bytes over to the
+forecast's when it ends (``Reservation.hand_over``), and the next reading gives back what the set
+no longer needs. The ledger admits the next request when its own peak fits on top.
 
 vLLM names a request by the ``X-Request-Id`` header (``cmpl-<id>-<prompt>``, ``chatcmpl-<id>``);
 one is added where the client sent none. A request vLLM has not started yet, one this process
@@ -185,6 +188,8 @@ class Following(HeldOnATimer):
                     continue  # not every sequence is there yet
                 followed.seen, followed.admitted = True, admission.reservation.nbytes
                 admission.endpoint_grows()  # sized here from now on, not by its stream's meter
+                if self.growth_quantile is not None:  # pooled: the set may count on its blocks once it ends
+                    admission.reservation.hand_over(forecast)
                 if not self.following:
                     vllm_logger().info("gpu_asgi follows vLLM's answers as they are generated (first: %s)", request_id)
                 self.following += 1

@@ -3,22 +3,27 @@
 vLLM's scheduler gives each running request one token per step (continuous batching), takes a
 block when a token starts one, and frees all of a request's blocks when it ends. Each running
 request is held at the blocks it holds now (its own reservation); one more reservation holds the
-*growth*: the most blocks that the requests still running at any later step will have taken
-beyond what they hold now, each forecast to end at a known length.
+rest of what the set needs.
 
-The growth of a request that has ended is not counted at later steps, but its held blocks are
-never lent to the others: when a request ends, the ledger gives its bytes back to whoever waits,
-so the requests left must be covered by their own reservations and the growth alone, whichever
-requests end first, and whenever (an answer may end long before its forecast). A request that
-starts later is not in the set: admission reserves its own peak for it (``prompt`` plus its
-forecast length), which is never less than what it adds to the held blocks and the growth, so
-what the ledger must hold stays within what it holds (docs/vllm.md, "Reservations that follow
-the answers").
+With all of the growth (``quantile`` None, ``GPU_ASGI_GROWTH=all``) each request is forecast to
+end at a known length, and the rest is the *growth*: the most blocks that the requests still
+running at any later step will have taken beyond what they hold now. The growth of a request that
+has ended is not counted at later steps, but its held blocks are never lent to the others: when a
+request ends, the ledger gives its bytes back to whoever waits, so the requests left must be
+covered by their own reservations and the growth alone, whichever requests end first, and whenever
+(an answer may end long before its forecast). A request that starts later is not in the set:
+admission reserves its own peak for it (``prompt`` plus its forecast length), which is never less
+than what it adds to the held blocks and the growth, so what the ledger must hold stays within
+what it holds (docs/vllm.md, "Reservations that follow the answers").
 
-With a ``quantile`` below 1 (``GPU_ASGI_GROWTH``) the growth is pooled: each running request
-goes on to each later step only with the chance its route's answers that got as far went on
-(``Running.going_on``), and at each step the growth held is that quantile of the sum, not the sum:
-several answers rarely all run long. A miss (more growth than held) costs a preemption.
+With a ``quantile`` below 1 (``GPU_ASGI_GROWTH``, pooled) each request is forecast to its declared
+limit, going on to each later step only with the chance its route's answers that got as far went
+on (``Running.going_on``), and what the set needs is the most blocks, at any step, of the requests
+still running then: that quantile of it, the answers taken as independent. Several rarely all run
+long, and an answer likely to end by then lends its blocks to the growth of those that outlive it;
+so a request's bytes must not go back to the ledger when it ends, but to the reservation that holds
+the rest (``Reservation.hand_over``), until the next reading counts the set again. A miss (more
+blocks than held) costs a preemption.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ def peak_blocks(running: Iterable[Running], block_size: int, quantile: float | N
     """``(now, peak)``: the blocks the requests hold now, and those the ledger must hold for them:
     ``now`` plus the most that the requests still running at any step from now on will have
     taken beyond what they hold now (each gains a token per step until its forecast end). With a
-    ``quantile`` below 1, that quantile of it at each step, each request running on by chance."""
+    ``quantile`` below 1, the quantile of the most blocks the requests still running at any step
+    hold then, each running on by chance, their held blocks lent to others once they may have
+    ended (at least ``now``)."""
     running = list(running)
     if quantile is not None and quantile < 1:
         return _pooled(running, block_size, quantile)
@@ -89,29 +96,27 @@ def peak_blocks(running: Iterable[Running], block_size: int, quantile: float | N
 
 
 def _pooled(running: list[Running], block_size: int, quantile: float) -> tuple[int, int]:
-    """:func:`peak_blocks` with each request's growth counted at a step only with the chance it
-    is still running then: the ``quantile`` of the sum at each step where a block is taken."""
-    now, grown = 0, []
+    """:func:`peak_blocks` with each request counted at a step only with the chance it is still
+    running then, its held blocks as well as its growth: the ``quantile`` of the blocks the set
+    holds, at the step where that is most (now, or a step where a block is taken)."""
+    now, curves = 0, []
     for request in running:
         first, taken = _taken(request, block_size)
         now += first * request.sequences
-        if taken:
-            grown.append((request, taken))
-    most = 0
-    for step in sorted({step for _, taken in grown for step in taken}):
+        curves.append((request, first, taken))
+    most = now
+    for step in sorted({step for _, _, taken in curves for step in taken}):
         weights, chances = [], []
-        for request, taken in grown:
+        for request, first, taken in curves:
             if step > request.steps:  # ended (freed after the takes of its last step)
                 continue
-            count = sum(1 for s in taken if s <= step)
-            if count:
-                weights.append(count * request.sequences)
-                # Its blocks are held at this step if it ran in the step before: vLLM may free
-                # them a step late, as the exact count (the takes before the frees) assumes.
-                chance = 1.0 if request.going_on is None else request.going_on(max(0, step - 1))
-                chances.append(min(1.0, max(0.0, chance)))
+            weights.append((first + sum(1 for s in taken if s <= step)) * request.sequences)
+            # Its blocks are held at this step if it ran in the step before: vLLM may free them a
+            # step late, as the exact count (the takes before the frees) assumes.
+            chance = 1.0 if request.going_on is None else request.going_on(max(0, step - 1))
+            chances.append(min(1.0, max(0.0, chance)))
         most = max(most, _quantile_of_sum(weights, chances, quantile))
-    return now, now + most
+    return now, most
 
 
 def _quantile_of_sum(weights: list[int], chances: list[float], quantile: float) -> int:
