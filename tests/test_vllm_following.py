@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from gpu_asgi import Ledger
 from gpu_asgi._asgi.dependencies import ADMISSION_STATE_KEY
 from gpu_asgi._vllm.following import FORECAST_TENANT, Following, vllm_key
+from gpu_asgi._vllm.held import MAX_SHARE, spacing
 from gpu_asgi.vllm import VLLMAdmission
 
 from .test_vllm_admission import vllm_state
@@ -151,7 +152,9 @@ async def test_pooled_growth_holds_the_quantile_of_what_the_answers_may_take(
     asked: list[tuple[int, int]] = []
     for name in "abcdefghij":
         _, _, admission = await admitted(ledger, following, name)
-        admission.survival = lambda tokens, later: asked.append((tokens, later)) or (0.6 if later < 230 else 0.0)
+        admission.survival_curve = lambda tokens: lambda later, tokens=tokens: (  # type: ignore[misc]
+            asked.append((tokens, later)) or (0.6 if later < 230 else 0.0)
+        )
         engine.run(f"cmpl-{name}-0", 1)
     following.resize()
     assert following.forecast.nbytes == forecast_blocks * BLOCK_BYTES
@@ -172,8 +175,8 @@ async def test_pooled_an_ending_answer_lends_its_blocks_and_hands_them_over_when
     following.growth_quantile = 0.99
     _, ending_followed, ending = await admitted(ledger, following, "a")
     _, _, fresh = await admitted(ledger, following, "b")
-    ending.survival = lambda tokens, later: 1.0 if later < 210 else 0.0
-    fresh.survival = lambda tokens, later: 1.0 if later < 200 else 0.0
+    ending.survival_curve = lambda tokens: lambda later: 1.0 if later < 210 else 0.0
+    fresh.survival_curve = lambda tokens: lambda later: 1.0 if later < 200 else 0.0
     engine.run("cmpl-a-0", 200)
     engine.run("cmpl-b-0", 1)
     first = asyncio.ensure_future(ledger.reserve(BLOCK_BYTES))
@@ -207,7 +210,7 @@ async def test_pooled_growth_looks_past_the_prediction_to_the_limit() -> None:
     ledger, engine, _, following = await setup(blocks=20)
     following.growth_quantile = 0.99
     _, _, admission = await admitted(ledger, following, "a")
-    admission.survival = lambda tokens, later: 0.5
+    admission.survival_curve = lambda tokens: lambda later: 0.5
     engine.run("cmpl-a-0", 1)
     following.resize()
     assert (admission.reservation.nbytes, following.forecast.nbytes) == (BLOCK_BYTES, 3 * BLOCK_BYTES)
@@ -263,6 +266,13 @@ async def test_what_cannot_be_followed_keeps_what_admission_gave_it(case: str) -
     held = a.reservation.nbytes
     following.resize()
     assert a.reservation.nbytes == held and following.forecast.nbytes == 0 and a.grown == []
+
+
+def test_readings_that_take_long_are_spaced_out_to_a_tenth_of_the_time() -> None:
+    """A reading of hundreds of answers must not take the API server's event loop from vLLM."""
+    assert spacing(0.05, 0.001) == 0.05
+    assert spacing(0.05, 0.02) == pytest.approx(0.2)
+    assert spacing(0.05, 0.02) * MAX_SHARE == pytest.approx(0.02)
 
 
 async def test_the_loop_takes_the_forecast_reservation_and_gives_it_back() -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import random
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_asgi._estimate.paged import blocks_for as blocks
+from gpu_asgi._vllm import forecast
 from gpu_asgi._vllm.forecast import Running, peak_blocks
 
 
@@ -104,11 +106,12 @@ def test_pooled_answers_that_all_go_on_are_held_at_the_most_the_cache_holds_and_
     """Pooled, answers that go on until their forecast end for certain are held at the most the
     cache holds at any step, counted one step at a time: never more than all of the growth (an
     answer's blocks serve another's growth once it has ended), never less than now."""
-    now, pooled = peak_blocks(running, block_size, quantile)
-    assert (now, pooled) == counted(running, block_size)
-    assert pooled <= peak_blocks(running, block_size)[1]
-    chancy = [Running(r.held, r.end, r.steps, r.sequences, lambda step: 0.5) for r in running]
-    assert now <= peak_blocks(chancy, block_size, quantile)[1] <= pooled
+    with mock.patch.object(forecast, "MAX_POINTS", 10**9):  # every step counted apart
+        now, pooled = peak_blocks(running, block_size, quantile)
+        assert (now, pooled) == counted(running, block_size)
+        assert pooled <= peak_blocks(running, block_size)[1]
+        chancy = [Running(r.held, r.end, r.steps, r.sequences, lambda step: 0.5) for r in running]
+        assert now <= peak_blocks(chancy, block_size, quantile)[1] <= pooled
 
 
 @settings(max_examples=300, deadline=None)
@@ -126,7 +129,27 @@ def test_pooled_answers_certain_to_end_at_their_forecast_are_held_at_the_most_th
         Running(r.held, r.end, r.steps, r.sequences, lambda step, steps=r.steps: 1.0 if step < steps else 0.0)  # type: ignore[misc]
         for r in running
     ]
-    assert peak_blocks(certain, block_size, quantile) == counted(running, block_size)
+    with mock.patch.object(forecast, "MAX_POINTS", 10**9):
+        assert peak_blocks(certain, block_size, quantile) == counted(running, block_size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(requests(), max_size=12), st.sampled_from([1, 16, 128]), st.floats(0.01, 0.999), st.integers(1, 8))
+def test_pooled_steps_counted_together_hold_no_less_than_each_counted_apart_and_no_more_than_all_growth(
+    running: list[Running], block_size: int, quantile: float, points: int
+) -> None:
+    """The work is bounded (``MAX_POINTS`` counts, however many steps take a block: 16-token blocks
+    and limits of thousands of tokens take hundreds): steps counted together never hold less."""
+    chancy = [
+        Running(r.held, r.end, r.steps, r.sequences, lambda step, c=(r.held % 7) / 7: c) for r in running  # type: ignore[misc]
+    ]
+    for requests_ in (running, chancy):
+        with mock.patch.object(forecast, "MAX_POINTS", 10**9):
+            apart = peak_blocks(requests_, block_size, quantile)
+        with mock.patch.object(forecast, "MAX_POINTS", points):
+            together = peak_blocks(requests_, block_size, quantile)
+        assert together[0] == apart[0]
+        assert apart[1] <= together[1] <= peak_blocks(requests_, block_size)[1]
 
 
 def test_pooled_growth_is_the_quantile_of_how_many_go_on() -> None:
@@ -157,3 +180,22 @@ def test_pooled_growth_misses_about_as_often_as_its_quantile_says() -> None:
     covered = sum(2 * sum(rng.random() < c for c in chances) <= peak for _ in range(4000))
     assert covered / 4000 >= 0.94
     assert now < peak < 24  # more than they hold now, less than all of the growth
+
+
+def test_past_max_exact_the_quantile_of_the_sum_is_approximated_within_a_few_percent() -> None:
+    """Hundreds of answers on 16-token blocks make the exact distribution too slow to count at
+    every reading (seconds): past ``MAX_EXACT`` the Cornish-Fisher expansion stands for it."""
+    rng = random.Random(1)
+    for _ in range(100):
+        count = rng.randint(20, 120)
+        weights = [rng.randint(1, 40) for _ in range(count)]
+        chances = [rng.choice([rng.uniform(0.01, 0.2), rng.uniform(0.2, 1.0)]) for _ in range(count)]
+        quantile = rng.choice([0.9, 0.99, 0.999])
+        with mock.patch.object(forecast, "MAX_EXACT", 10**12):
+            exact = forecast._quantile_of_sum(weights, chances, quantile)
+        with mock.patch.object(forecast, "MAX_EXACT", 0):
+            approximate = forecast._quantile_of_sum(weights, chances, quantile)
+        assert exact * 0.99 - 1 <= approximate <= exact * 1.03 + 2
+    with mock.patch.object(forecast, "MAX_EXACT", 0):
+        assert forecast._quantile_of_sum([3, 4], [1.0, 1.0], 0.99) == 7  # certain: no spread
+        assert forecast._quantile_of_sum([3, 4], [0.0, 0.0], 0.99) == 0

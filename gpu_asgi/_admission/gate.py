@@ -108,10 +108,15 @@ class Admission:
         ``later``: learnt from the answers of its route (and tenant) that got as far
         (``OutputLengths.survival``). 1.0 where nothing is known (admitted strictly, or no answer
         got that far); 0.0 from :attr:`max_new_tokens` on."""
-        meter = self._meter
+        return self.survival_curve(tokens)(later)
+
+    def survival_curve(self, tokens: int) -> Callable[[int], float]:
+        """:meth:`survival` from ``tokens`` on, as a function of ``later`` (what it has learnt
+        looked up once, for a forecast that asks at many lengths; ask at once)."""
+        meter, limit = self._meter, self.max_new_tokens
         if meter is None:
-            return 0.0 if later >= self.max_new_tokens else 1.0
-        return meter.survival(tokens, later)
+            return lambda later: 0.0 if later >= limit else 1.0
+        return meter.survival_curve(tokens)
 
     def report_peak_bytes(self, nbytes: int) -> None:
         """Report the request's measured peak bytes: to the estimate-versus-actual metric, and to

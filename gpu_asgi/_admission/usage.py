@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._estimate.contract import Estimator
@@ -67,10 +68,10 @@ class UsageMeter:
         #: still learnt, the reservation is never grown here.
         self.endpoint_grows = False
 
-    def survival(self, tokens: int, later: int) -> float:
-        """The chance this answer, at ``tokens`` per sequence, goes on past ``later`` (its route's
-        and tenant's answers, as :meth:`OutputLengths.survival` counts them)."""
-        return self._lengths.survival(tokens, later, self._limit, self._route, self._tenant)
+    def survival_curve(self, tokens: int) -> Callable[[int], float]:
+        """The chance this answer, at ``tokens`` per sequence, goes on past each later length (its
+        route's and tenant's answers, as :meth:`OutputLengths.survival_curve` counts them)."""
+        return self._lengths.survival_curve(tokens, self._limit, self._route, self._tenant)
 
     # -- what an endpoint reports itself --------------------------------------------------
 

@@ -33,6 +33,7 @@ import bisect
 import math
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DEFAULT_QUANTILE = 0.9
@@ -158,14 +159,25 @@ class OutputLengths:
         censored answer goes on past any."""
         if later >= limit:
             return 0.0  # its limit ends it there
+        return self.survival_curve(tokens, limit, route, tenant)(later)
+
+    def survival_curve(self, tokens: int, limit: int, route: str, tenant: str | None = None) -> Callable[[int], float]:
+        """:meth:`survival` from ``tokens`` on, as a function of ``later``: the window looked up
+        once, for a forecast that asks at many lengths (the answers learnt so far; ask at once)."""
         with self._lock:
             window = self._window(route, tenant, limit_band(limit))
             if window is None or window.drifting(self.quantile):
-                return 1.0
-            ordered = window.sorted
-            reached = len(ordered) - bisect.bisect_right(ordered, tokens)
-            past = len(ordered) - bisect.bisect_right(ordered, max(tokens, later))
-        return (past + 1) / (reached + 1)
+                return lambda later: 0.0 if later >= limit else 1.0
+            ordered = window.sorted[:]
+        count = len(ordered)
+        reached = count - bisect.bisect_right(ordered, tokens) + 1  # and one more that runs to its limit
+
+        def chance(later: int) -> float:
+            if later >= limit:
+                return 0.0
+            return (count - bisect.bisect_right(ordered, max(tokens, later)) + 1) / reached
+
+        return chance
 
     def _window(self, route: str, tenant: str | None, band: int) -> _Window | None:
         """The (route, tenant) window of the band once it has enough answers, else the route's;

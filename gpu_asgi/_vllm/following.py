@@ -167,7 +167,7 @@ class Following(HeldOnATimer):
         if forecast is None or forecast.released:
             return
         now, progress, rate = self.clock(), self.progress(), 0.0
-        lag = math.ceil(self._rate * 3 * self.interval) + 1
+        lag = math.ceil(self._rate * 3 * self.spacing) + 1
         running: list[Running] = []
         targets: list[tuple[Reservation, int]] = []
         for request_id, same in list(self._followed.items()):
@@ -234,8 +234,10 @@ class Following(HeldOnATimer):
         if self.growth_quantile is not None:
             horizon = limit
 
+            chance = admission.survival_curve(tokens)
+
             def going_on(step: int) -> float:
-                return float(admission.survival(tokens, tokens + step))
+                return float(chance(tokens + step))
         now = min(tokens + lag, horizon)
         running = Running(prompt + now, prompt + horizon, max(1, horizon - tokens), admission.batch, going_on)
         return running, prompt + length

@@ -28,8 +28,10 @@ blocks than held) costs a preemption.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from .._estimate.paged import blocks_for as blocks
 
@@ -53,18 +55,30 @@ class Running:
     going_on: Callable[[int], float] | None = None
 
 
-def _taken(request: Running, block_size: int) -> tuple[int, list[int]]:
-    """``(blocks now, the steps at which it takes each further block)``, per sequence."""
+@dataclass(frozen=True, slots=True)
+class _Takes:
+    """The blocks one request holds now and the further ones it takes, per sequence: one at
+    ``start`` and every ``block_size`` steps after, ``count`` in all, while it runs."""
+
+    first: int
+    start: int
+    count: int
+
+    def by(self, step: int, block_size: int) -> int:
+        """Blocks taken beyond ``first`` at steps up to ``step``."""
+        return 0 if step < self.start else min(self.count, (step - self.start) // block_size + 1)
+
+
+def _taken(request: Running, block_size: int) -> _Takes:
     held, end = min(request.held, request.end), request.end
     first = blocks(held, block_size)
-    steps = []
-    # A new block is taken at the step whose token is the first past a block's end.
-    for boundary in range(first * block_size, blocks(end, block_size) * block_size, block_size):
-        step = boundary + 1 - held
-        if step > request.steps - 1:
-            break
-        steps.append(step)
-    return first, steps
+    # A new block is taken at the step whose token is the first past a block's end: block
+    # boundaries are block_size tokens apart, so are the steps; none after its last step.
+    start = first * block_size + 1 - held
+    count = 0 if start > request.steps - 1 else min(
+        blocks(end, block_size) - first, (request.steps - 1 - start) // block_size + 1
+    )
+    return _Takes(first, start, max(0, count))
 
 
 def peak_blocks(running: Iterable[Running], block_size: int, quantile: float | None = None) -> tuple[int, int]:
@@ -75,54 +89,107 @@ def peak_blocks(running: Iterable[Running], block_size: int, quantile: float | N
     hold then, each running on by chance, their held blocks lent to others once they may have
     ended (at least ``now``)."""
     running = list(running)
+    takes = [_taken(request, block_size) for request in running]
     if quantile is not None and quantile < 1:
-        return _pooled(running, block_size, quantile)
-    now = 0
-    events: list[tuple[int, int]] = []  # (step, change of the growth)
-    for request in running:
-        first, taken = _taken(request, block_size)
-        now += first * request.sequences
-        events += [(step, request.sequences) for step in taken]
-        if taken:
-            events.append((request.steps, -len(taken) * request.sequences))
-    # At one step, the blocks taken come before those freed: under async scheduling vLLM may
-    # schedule a step before it has freed the blocks of a request that ended in the step before.
-    events.sort(key=lambda event: (event[0], -event[1]))
+        return _pooled(running, takes, block_size, quantile)
+    return _all_growth(running, takes, block_size)
+
+
+def _all_growth(running: list[Running], takes: list[_Takes], block_size: int) -> tuple[int, int]:
+    """:func:`peak_blocks` with all of the growth: every request runs to its forecast end."""
+    now = sum(take.first * request.sequences for request, take in zip(running, takes))
+    horizon = max((request.steps for request, take in zip(running, takes) if take.count), default=0)
+    # Per step: blocks taken, then those freed (at one step the takes come first: under async
+    # scheduling vLLM may schedule a step before it has freed the blocks of a request that ended
+    # in the step before). Takes are counted as runs every block_size steps (a difference array
+    # summed with that stride), so the work grows with the steps, not with the blocks taken.
+    runs, freed = [0] * (horizon + 1), [0] * (horizon + 1)
+    for request, take in zip(running, takes):
+        if take.count:
+            runs[take.start] += request.sequences
+            stop = take.start + take.count * block_size
+            if stop <= horizon:
+                runs[stop] -= request.sequences
+            freed[request.steps] += take.count * request.sequences
     growth = most = 0
-    for _, change in events:
-        growth += change
+    for step in range(horizon + 1):
+        if step >= block_size:
+            runs[step] += runs[step - block_size]
+        growth += runs[step]
         most = max(most, growth)
+        growth -= freed[step]
     return now, now + most
 
 
-def _pooled(running: list[Running], block_size: int, quantile: float) -> tuple[int, int]:
+#: About the most counts pooled growth makes of the set; past it, steps are counted together.
+MAX_POINTS = 48
+#: The most ``answers x blocks`` the exact distribution of the sum is computed for; past it, a
+#: normal approximation corrected for skew (GPU block sizes of 16 tokens, hundreds of answers).
+MAX_EXACT = 4_000
+
+
+def _pooled(running: list[Running], takes: list[_Takes], block_size: int, quantile: float) -> tuple[int, int]:
     """:func:`peak_blocks` with each request counted at a step only with the chance it is still
     running then, its held blocks as well as its growth: the ``quantile`` of the blocks the set
-    holds, at the step where that is most (now, or a step where a block is taken)."""
-    now, curves = 0, []
-    for request in running:
-        first, taken = _taken(request, block_size)
-        now += first * request.sequences
-        curves.append((request, first, taken))
-    most = now
-    for step in sorted({step for _, _, taken in curves for step in taken}):
-        weights, chances = [], []
-        for request, first, taken in curves:
-            if step > request.steps:  # ended (freed after the takes of its last step)
-                continue
-            weights.append((first + sum(1 for s in taken if s <= step)) * request.sequences)
-            # Its blocks are held at this step if it ran in the step before: vLLM may free them a
+    holds, at the step where that is most (now, or a step where a block is taken).
+
+    The work is bounded whatever the block size and the answers' limits: about ``MAX_POINTS``
+    counts. Past that many steps where blocks are taken, the steps are counted together, a few
+    near now and more further on; a count that stands for several takes each request's blocks at
+    the last of them and its chance at the first, never less than at any of them, so the set is
+    held at no less than an exact count would, and at no more than all of the growth."""
+    now = sum(take.first * request.sequences for request, take in zip(running, takes))
+    groups = _groups(takes, block_size)
+    weights: list[list[int]] = [[] for _ in groups]
+    chances: list[list[float]] = [[] for _ in groups]
+    for request, take in zip(running, takes):
+        going_on = request.going_on
+        for k, (early, late) in enumerate(groups):
+            if early > request.steps:  # ended (freed after the takes of its last step)
+                break
+            # Its blocks are held at a step if it ran in the step before: vLLM may free them a
             # step late, as the exact count (the takes before the frees) assumes.
-            chance = 1.0 if request.going_on is None else request.going_on(max(0, step - 1))
-            chances.append(min(1.0, max(0.0, chance)))
-        most = max(most, _quantile_of_sum(weights, chances, quantile))
+            chance = 1.0 if going_on is None else min(1.0, going_on(max(0, early - 1)))
+            if chance <= 0:
+                break  # it will not run on to a later step either
+            weights[k].append((take.first + take.by(late, block_size)) * request.sequences)
+            chances[k].append(chance)
+    most = now
+    for group_weights, group_chances in zip(weights, chances):
+        if sum(group_weights) > most:  # else no count of them can be more
+            most = max(most, _quantile_of_sum(group_weights, group_chances, quantile))
+    if any(early != late for early, late in groups):  # counted together: bounded by all of the growth
+        most = min(most, _all_growth(running, takes, block_size)[1])
     return now, most
+
+
+def _groups(takes: list[_Takes], block_size: int) -> list[tuple[int, int]]:
+    """``(first, last)`` steps of each count: every step where a block is taken, apart, while
+    there are at most ``MAX_POINTS``; else runs of steps, each ending where the steps have grown
+    by a constant ratio since its first (a few near now, more further on)."""
+    if sum(take.count for take in takes) <= MAX_POINTS:
+        steps = sorted({take.start + j * block_size for take in takes for j in range(take.count)})
+        return [(step, step) for step in steps]
+    first = min(take.start for take in takes if take.count)
+    last = max(take.start + (take.count - 1) * block_size for take in takes if take.count)
+    ratio = (last / max(1, first)) ** (1 / MAX_POINTS)
+    groups, step = [], first
+    while step <= last:
+        end = max(step, math.floor(step * ratio))
+        groups.append((step, min(end, last)))
+        step = end + 1
+    return groups
 
 
 def _quantile_of_sum(weights: list[int], chances: list[float], quantile: float) -> int:
     """The ``quantile`` of the sum of ``weights[i]``, each counted with chance ``chances[i]``
-    (independently): the least total at or above which a share ``1 - quantile`` lies."""
-    spread = [1.0] + [0.0] * sum(weights)  # spread[k]: the chance the sum is k
+    (independently): the least total at or above which a share ``1 - quantile`` lies. Exact up to
+    ``MAX_EXACT`` (weights times their sum); past it, the Cornish-Fisher expansion of its first
+    three moments."""
+    total = sum(weights)
+    if len(weights) * total > MAX_EXACT:
+        return _approximate_quantile(weights, chances, quantile, total)
+    spread = [1.0] + [0.0] * total  # spread[k]: the chance the sum is k
     top = 0
     for weight, chance in zip(weights, chances):
         if chance <= 0:
@@ -138,3 +205,20 @@ def _quantile_of_sum(weights: list[int], chances: list[float], quantile: float) 
         if below >= quantile - 1e-12:
             return total
     return top
+
+
+def _approximate_quantile(weights: list[int], chances: list[float], quantile: float, total: int) -> int:
+    """The normal quantile of the sum's mean and variance, corrected for its skew (many answers
+    each rarely running long make a sum skewed to the right), rounded up, within ``0 .. total``."""
+    mean = variance = third = 0.0
+    for weight, chance in zip(weights, chances):
+        spread = chance * (1 - chance)
+        mean += weight * chance
+        variance += weight * weight * spread
+        third += weight**3 * spread * (1 - 2 * chance)
+    if variance <= 0:
+        return min(total, math.ceil(mean - 1e-9))
+    z = NormalDist().inv_cdf(quantile)
+    skew = third / (variance * math.sqrt(variance))
+    z += (z * z - 1) * skew / 6
+    return max(0, min(total, math.ceil(mean + z * math.sqrt(variance) - 1e-9)))

@@ -6,15 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import ClassVar
 
 from .._ledger.contract import BudgetLedger, Reservation
 from .log import logger
 
+#: The most of the event loop's time the readings may take: one that took longer spaces the next
+#: ones out (a large cache with hundreds of answers), rather than slow the server down.
+MAX_SHARE = 0.1
+
+
+def spacing(interval: float, spent: float) -> float:
+    """Seconds from one reading's start to the next's: ``interval``, or more where the reading took
+    ``spent`` seconds, so that readings take at most ``MAX_SHARE`` of the time."""
+    return max(interval, spent / MAX_SHARE)
+
 
 class HeldOnATimer:
-    """Every ``interval``: take the reservation once (zero bytes, for ``tenant``), then ``resize()``."""
+    """Every ``interval`` (or more: :func:`spacing`): take the reservation once (zero bytes, for
+    ``tenant``), then ``resize()``."""
 
     #: Whose bytes these are, as ``/health`` and the metrics show them.
     tenant: ClassVar[str]
@@ -25,6 +37,8 @@ class HeldOnATimer:
         self.ledger = ledger
         self.interval = interval
         self.held: Reservation | None = None
+        #: Seconds between the starts of the last two readings (``interval`` until one is slow).
+        self.spacing = interval
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -53,11 +67,14 @@ class HeldOnATimer:
 
     async def _run(self) -> None:
         while True:
+            started = time.perf_counter()
             try:
                 await self.tick()
             except Exception:  # one bad reading must not stop the loop; the next may work
                 logger.debug("%s failed", self.task_name, exc_info=True)
-            await asyncio.sleep(self.interval)
+            spent = time.perf_counter() - started
+            self.spacing = spacing(self.interval, spent)
+            await asyncio.sleep(self.spacing - spent)
 
 
 def resize_all(targets: Iterable[tuple[Reservation, int]]) -> None:
