@@ -420,6 +420,10 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         ledger, now = self.memory.ledger, self.decided_at
         accounts = ledger._fair.accounts
+        if any(account.last > now for account in accounts.values()):
+            # A growth since (time has passed) brought its tenant's virtual time up to now, and a
+            # growth decides nothing: the order of the heads is read again at the next decision.
+            return
         heads = [next(iter(lane.values())) for lane in ledger._lanes.values()]
         heads = [h for h in heads if accounts[h.tenant].fits(h.nbytes)]
         if not heads:
