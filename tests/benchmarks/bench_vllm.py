@@ -20,9 +20,10 @@ start together; the loads then run one server at a time, so that none shares the
 gpu_asgi reserves on two workloads, each BURST requests at once (a heavy tenant and a light one,
 5 to 1): answers that end early (``max_tokens`` 400, lengths geometric with mean 68, as answers
 that stop at EOS are; the same lengths for every server) and today's fixed lengths (``ignore_eos``,
-180 tokens). Rows: vLLM alone, ``strict``, learned at its default quantile (0.5) and at three
-others (0.75, 0.9, 0.97), strict with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5, and learned at its default
-quantile not following the answers (``GPU_ASGI_FOLLOW=0``). One more row is vLLM alone with the client sending at most as many
+180 tokens). Rows: vLLM alone, ``strict``, learned at its defaults (the median, following, growth
+0.99), at two other risk settings (``GPU_ASGI_GROWTH`` 0.9 and 0.999), reserving the 0.9 quantile
+up front (``GPU_ASGI_RESERVE=0.9``), not following the answers (``GPU_ASGI_FOLLOW=0``), and strict
+with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5. One more row is vLLM alone with the client sending at most as many
 requests at once as strict's reservations admit (usable blocks over each request's worst-case
 blocks): the most strict can do, whatever gpu_asgi costs. Every server first serves the same
 WARMUP early-ending requests (a learned server starts strict: it has seen no answer yet). Each
@@ -63,9 +64,9 @@ RESERVE_ROWS: tuple[tuple[str, dict[str, str] | None], ...] = (
     ("strict", {"GPU_ASGI_RESERVE": "strict"}),
     ("learned 0.5 (default: following, growth 0.99)", {}),
     ("learned 0.5, not following", {"GPU_ASGI_FOLLOW": "0"}),
-    ("learned 0.75", {"GPU_ASGI_RESERVE": "0.75"}),
-    ("learned 0.9", {"GPU_ASGI_RESERVE": "0.9"}),
-    ("learned 0.97", {"GPU_ASGI_RESERVE": "0.97"}),
+    ("learned, growth 0.9", {"GPU_ASGI_GROWTH": "0.9"}),
+    ("learned, growth 0.999", {"GPU_ASGI_GROWTH": "0.999"}),
+    ("learned 0.9 (growth 0.99)", {"GPU_ASGI_RESERVE": "0.9"}),
     ("strict, oversubscribe x1.5", {"GPU_ASGI_RESERVE": "strict", "GPU_ASGI_OVERSUBSCRIBE": "1.5"}),
 )
 TENANT_WEIGHTS = ",".join(f"{name}=1" for name in ("heavy", *LIGHT))
