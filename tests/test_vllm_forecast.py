@@ -51,6 +51,27 @@ def test_the_peak_covers_what_the_cache_holds_at_every_step(running: list[Runnin
     assert peak >= most
 
 
+def growth_counted(running: list[Running], block_size: int) -> int:
+    """The most blocks the requests still running at any step have taken beyond those they hold
+    now, counted one step at a time (a request still counts in the step after its last)."""
+    longest = max((r.steps for r in running), default=0)
+    return max(
+        (
+            sum(held_at(r, min(step, r.steps - 1), block_size) - held_at(r, 0, block_size) for r in running if step <= r.steps)
+            for step in range(longest + 1)
+        ),
+        default=0,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(requests(), max_size=40), st.sampled_from([1, 16, 128]))
+def test_all_of_the_growth_is_exactly_the_most_taken_at_any_step(running: list[Running], block_size: int) -> None:
+    """Counted at the requests' ends or step by step (whichever is less work), the same count."""
+    now, peak = peak_blocks(running, block_size)
+    assert peak == now + growth_counted(running, block_size)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(requests(), st.booleans()), max_size=12), st.sampled_from([1, 16, 128]))
 def test_whichever_requests_end_first_those_left_fit_in_their_own_blocks_and_the_growth(

@@ -237,7 +237,7 @@ class Following(HeldOnATimer):
             chance = admission.survival_curve(tokens)
 
             def going_on(step: int) -> float:
-                return float(chance(tokens + step))
+                return chance(tokens + step)
         now = min(tokens + lag, horizon)
         running = Running(prompt + now, prompt + horizon, max(1, horizon - tokens), admission.batch, going_on)
         return running, prompt + length

@@ -96,21 +96,29 @@ def peak_blocks(running: Iterable[Running], block_size: int, quantile: float | N
 
 
 def _all_growth(running: list[Running], takes: list[_Takes], block_size: int) -> tuple[int, int]:
-    """:func:`peak_blocks` with all of the growth: every request runs to its forecast end."""
+    """:func:`peak_blocks` with all of the growth: every request runs to its forecast end.
+
+    At one step the blocks taken come before those freed: under async scheduling vLLM may schedule
+    a step before it has freed the blocks of a request that ended in the step before. The growth
+    only rises between two ends, so it is most at one of them: counted there, or, where the steps
+    are fewer than the requests squared, step by step (each request's takes a run every
+    ``block_size`` steps, summed as a difference array with that stride)."""
     now = sum(take.first * request.sequences for request, take in zip(running, takes))
-    horizon = max((request.steps for request, take in zip(running, takes) if take.count), default=0)
-    # Per step: blocks taken, then those freed (at one step the takes come first: under async
-    # scheduling vLLM may schedule a step before it has freed the blocks of a request that ended
-    # in the step before). Takes are counted as runs every block_size steps (a difference array
-    # summed with that stride), so the work grows with the steps, not with the blocks taken.
+    growing = [(request.steps, take, request.sequences) for request, take in zip(running, takes) if take.count]
+    horizon = max((steps for steps, _, _ in growing), default=0)
+    if len(growing) ** 2 <= horizon:
+        most = max(
+            (sum(take.by(end, block_size) * n for steps, take, n in growing if steps >= end) for end, _, _ in growing),
+            default=0,
+        )
+        return now, now + most
     runs, freed = [0] * (horizon + 1), [0] * (horizon + 1)
-    for request, take in zip(running, takes):
-        if take.count:
-            runs[take.start] += request.sequences
-            stop = take.start + take.count * block_size
-            if stop <= horizon:
-                runs[stop] -= request.sequences
-            freed[request.steps] += take.count * request.sequences
+    for steps, take, n in growing:
+        runs[take.start] += n
+        stop = take.start + take.count * block_size
+        if stop <= horizon:
+            runs[stop] -= n
+        freed[steps] += take.count * n
     growth = most = 0
     for step in range(horizon + 1):
         if step >= block_size:
@@ -143,20 +151,33 @@ def _pooled(running: list[Running], takes: list[_Takes], block_size: int, quanti
     weights: list[list[int]] = [[] for _ in groups]
     chances: list[list[float]] = [[] for _ in groups]
     for request, take in zip(running, takes):
-        going_on = request.going_on
+        going_on, last, n = request.going_on, request.steps, request.sequences
+        first, start, count = take.first, take.start, take.count
         for k, (early, late) in enumerate(groups):
-            if early > request.steps:  # ended (freed after the takes of its last step)
+            if early > last:  # ended (freed after the takes of its last step)
                 break
             # Its blocks are held at a step if it ran in the step before: vLLM may free them a
             # step late, as the exact count (the takes before the frees) assumes.
-            chance = 1.0 if going_on is None else min(1.0, going_on(max(0, early - 1)))
+            chance = 1.0 if going_on is None else min(1.0, going_on(early - 1 if early else 0))
             if chance <= 0:
                 break  # it will not run on to a later step either
-            weights[k].append((take.first + take.by(late, block_size)) * request.sequences)
+            taken = 0 if late < start else min(count, (late - start) // block_size + 1)  # take.by(late)
+            weights[k].append((first + taken) * n)
             chances[k].append(chance)
-    most = now
+    # Counted likeliest-largest first, each skipped where a bound on its quantile (Cantelli's,
+    # or every answer going on) is no more than the most counted so far: most are skipped.
+    spread = math.sqrt(quantile / (1 - quantile))
+    bounds = []
     for group_weights, group_chances in zip(weights, chances):
-        if sum(group_weights) > most:  # else no count of them can be more
+        mean = variance = 0.0
+        for weight, chance in zip(group_weights, group_chances):
+            mean += weight * chance
+            variance += weight * weight * chance * (1 - chance)
+        bounds.append((min(sum(group_weights), mean + spread * math.sqrt(variance)), mean, group_weights, group_chances))
+    bounds.sort(key=lambda bound: -bound[1])
+    most = now
+    for bound, _, group_weights, group_chances in bounds:
+        if bound > most:
             most = max(most, _quantile_of_sum(group_weights, group_chances, quantile))
     if any(early != late for early, late in groups):  # counted together: bounded by all of the growth
         most = min(most, _all_growth(running, takes, block_size)[1])
