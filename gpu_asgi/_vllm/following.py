@@ -234,7 +234,7 @@ class Following(HeldOnATimer):
         if self.growth_quantile is not None:
             horizon = limit
 
-            chance = admission.survival_curve(tokens)
+            chance: Callable[[int], float] = admission.survival_curve(tokens)
 
             def going_on(step: int) -> float:
                 return chance(tokens + step)
