@@ -27,7 +27,7 @@ with ``GPU_ASGI_OVERSUBSCRIBE`` 1.5. One more row is vLLM alone with the client 
 requests at once as strict's reservations admit (usable blocks over each request's worst-case
 blocks): the most strict can do, whatever gpu_asgi costs. Every server first serves the same
 WARMUP early-ending requests (a learned server starts strict: it has seen no answer yet). Each
-workload runs ``--rounds`` times (every row once per round, one server at a time); a row's ratio
+workload runs ``--rounds`` times (5; every row once per round, one server at a time); a row's ratio
 is the median of its per-round ratios to vLLM alone's tokens/s in the same round.
 """
 
@@ -419,7 +419,7 @@ def main() -> None:
     parser.add_argument("--plot", help="write the over-subscription plot (PNG) here")
     parser.add_argument("--tenant-seconds", type=float, default=40.0)
     parser.add_argument("--period", type=float, default=2.0, help="seconds between the tenants' sends")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of each workload (--section reservations)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of each workload (--section reservations)")
     parser.add_argument("--section", choices=("overload", "reservations"), default="overload",
                         help="overload, tenants and deadlines (the default), or what is reserved")
     args = parser.parse_args()
