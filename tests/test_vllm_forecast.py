@@ -218,5 +218,25 @@ def test_past_max_exact_the_quantile_of_the_sum_is_approximated_within_a_few_per
             approximate = forecast._quantile_of_sum(weights, chances, quantile)
         assert exact * 0.99 - 1 <= approximate <= exact * 1.03 + 2
     with mock.patch.object(forecast, "MAX_EXACT", 0):
-        assert forecast._quantile_of_sum([3, 4], [1.0, 1.0], 0.99) == 7  # certain: no spread
-        assert forecast._quantile_of_sum([3, 4], [0.0, 0.0], 0.99) == 0
+        assert forecast._quantile_of_sum([3] * 20, [1.0] * 20, 0.99) == 60  # certain: no spread
+        assert forecast._quantile_of_sum([3] * 20, [0.0] * 20, 0.99) == 0
+
+
+def test_few_answers_on_many_blocks_are_counted_on_blocks_rounded_up_never_less() -> None:
+    """Below ``MIN_APPROXIMATED`` answers the normal approximation is poor (two answers of about
+    1,000 blocks each, as with 1-token blocks, came out 500 blocks short): past ``MAX_EXACT`` their
+    blocks are rounded up to a power of two instead, never less than exact, and not by more than
+    the rounding."""
+    rng = random.Random(2)
+    for _ in range(200):
+        count = rng.randint(1, forecast.MIN_APPROXIMATED - 1)
+        weights = [rng.randint(1, 1200) for _ in range(count)]
+        chances = [rng.uniform(0.05, 1.0) for _ in range(count)]
+        quantile = rng.choice([0.5, 0.9, 0.99])
+        with mock.patch.object(forecast, "MAX_EXACT", 10**12):
+            exact = forecast._quantile_of_sum(weights, chances, quantile)
+        rounded = forecast._quantile_of_sum(weights, chances, quantile)
+        unit = 1
+        while count * (sum(weights) // unit + count) > forecast.MAX_EXACT:
+            unit *= 2
+        assert exact <= rounded <= min(sum(weights), exact + count * (unit - 1))
