@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from gpu_asgi import Ledger
 from gpu_asgi._asgi.dependencies import ADMISSION_STATE_KEY
 from gpu_asgi._vllm.following import FORECAST_TENANT, Following, vllm_key
-from gpu_asgi._vllm.held import MAX_SHARE, spacing
+from gpu_asgi._vllm.held import MAX_SHARE
+from gpu_asgi._vllm.held import spacing_after as spacing
 from gpu_asgi.vllm import VLLMAdmission
 
 from .test_vllm_admission import vllm_state

@@ -151,28 +151,23 @@ def _pooled(running: list[Running], takes: list[_Takes], block_size: int, quanti
     weights: list[list[int]] = [[] for _ in groups]
     chances: list[list[float]] = [[] for _ in groups]
     for request, take in zip(running, takes):
-        going_on, last, n = request.going_on, request.steps, request.sequences
-        first, start, count = take.first, take.start, take.count
+        going_on = request.going_on
         for k, (early, late) in enumerate(groups):
-            if early > last:  # ended (freed after the takes of its last step)
+            if early > request.steps:  # ended (freed after the takes of its last step)
                 break
             # Its blocks are held at a step if it ran in the step before: vLLM may free them a
             # step late, as the exact count (the takes before the frees) assumes.
-            chance = 1.0 if going_on is None else min(1.0, going_on(early - 1 if early else 0))
+            chance = 1.0 if going_on is None else min(1.0, going_on(max(0, early - 1)))
             if chance <= 0:
                 break  # it will not run on to a later step either
-            taken = 0 if late < start else min(count, (late - start) // block_size + 1)  # take.by(late)
-            weights[k].append((first + taken) * n)
+            weights[k].append((take.first + take.by(late, block_size)) * request.sequences)
             chances[k].append(chance)
     # Counted likeliest-largest first, each skipped where a bound on its quantile (Cantelli's,
     # or every answer going on) is no more than the most counted so far: most are skipped.
     spread = math.sqrt(quantile / (1 - quantile))
     bounds = []
     for group_weights, group_chances in zip(weights, chances):
-        mean = variance = 0.0
-        for weight, chance in zip(group_weights, group_chances):
-            mean += weight * chance
-            variance += weight * weight * chance * (1 - chance)
+        mean, variance, _ = _moments(group_weights, group_chances)
         bounds.append((min(sum(group_weights), mean + spread * math.sqrt(variance)), mean, group_weights, group_chances))
     bounds.sort(key=lambda bound: -bound[1])
     most = now
@@ -253,15 +248,21 @@ def _exact_quantile(weights: list[int], chances: list[float], quantile: float) -
 def _approximate_quantile(weights: list[int], chances: list[float], quantile: float, total: int) -> int:
     """The normal quantile of the sum's mean and variance, corrected for its skew (many answers
     each rarely running long make a sum skewed to the right), rounded up, within ``0 .. total``."""
-    mean = variance = third = 0.0
-    for weight, chance in zip(weights, chances):
-        spread = chance * (1 - chance)
-        mean += weight * chance
-        variance += weight * weight * spread
-        third += weight**3 * spread * (1 - 2 * chance)
+    mean, variance, third = _moments(weights, chances)
     if variance <= 0:
         return min(total, math.ceil(mean - 1e-9))
     z = NormalDist().inv_cdf(quantile)
     skew = third / (variance * math.sqrt(variance))
     z += (z * z - 1) * skew / 6
     return max(0, min(total, math.ceil(mean + z * math.sqrt(variance) - 1e-9)))
+
+
+def _moments(weights: list[int], chances: list[float]) -> tuple[float, float, float]:
+    """The sum's mean, variance and third central moment (each weight counted with its chance)."""
+    mean = variance = third = 0.0
+    for weight, chance in zip(weights, chances):
+        spread = chance * (1 - chance)
+        mean += weight * chance
+        variance += weight * weight * spread
+        third += weight**3 * spread * (1 - 2 * chance)
+    return mean, variance, third

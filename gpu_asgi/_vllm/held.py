@@ -18,14 +18,14 @@ from .log import logger
 MAX_SHARE = 0.1
 
 
-def spacing(interval: float, spent: float) -> float:
+def spacing_after(interval: float, spent: float) -> float:
     """Seconds from one reading's start to the next's: ``interval``, or more where the reading took
     ``spent`` seconds, so that readings take at most ``MAX_SHARE`` of the time."""
     return max(interval, spent / MAX_SHARE)
 
 
 class HeldOnATimer:
-    """Every ``interval`` (or more: :func:`spacing`): take the reservation once (zero bytes, for
+    """Every ``interval`` (or more: :func:`spacing_after`): take the reservation once (zero bytes, for
     ``tenant``), then ``resize()``."""
 
     #: Whose bytes these are, as ``/health`` and the metrics show them.
@@ -73,7 +73,7 @@ class HeldOnATimer:
             except Exception:  # one bad reading must not stop the loop; the next may work
                 logger.debug("%s failed", self.task_name, exc_info=True)
             spent = time.perf_counter() - started
-            self.spacing = spacing(self.interval, spent)
+            self.spacing = spacing_after(self.interval, spent)
             await asyncio.sleep(self.spacing - spent)
 
 
