@@ -22,10 +22,19 @@ from gpu_asgi._ledger.forecast import predicted_wait
 
 from . import _redis
 from ._asgi import settle
-from ._backends import BACKENDS, Backend, Clock, heavy_backlog, open_backend, open_ledgers, start
+from ._backends import BACKENDS, Backend, Clock, heavy_backlog, open_backend, open_ledgers
+from ._backends import start as start_now
 from ._redis import RedisServer, eventually, requires_redis_server
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
+
+
+def start(ledger: BudgetLedger, nbytes: int, **options: Any) -> asyncio.Task[Reservation]:
+    """``ledger.reserve(nbytes, ...)`` as a task, in the patient queue (``deadline=inf``): these
+    tests keep tenants backlogged on purpose, far past what the queue would let them wait by
+    default, to see what order the queue serves them in. Refusal at arrival, tenants included, is
+    tested in test_client_deadline.py."""
+    return start_now(ledger, nbytes, deadline=math.inf, **options)
 
 
 @pytest.fixture(params=BACKENDS)

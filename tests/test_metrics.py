@@ -145,6 +145,7 @@ def test_metric_names_follow_prometheus_conventions() -> None:
     assert families == {
         "gpu_asgi_admitted": "counter",
         "gpu_asgi_rejected": "counter",
+        "gpu_asgi_wait_mispredicted": "counter",
         "gpu_asgi_max_new_tokens_clamped": "counter",
         "gpu_asgi_queue_wait_seconds": "histogram",
         "gpu_asgi_peak_estimate_ratio": "histogram",

@@ -7,6 +7,7 @@ responder answers what it raises.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -136,7 +137,7 @@ class CheckedRequest:
     body: bytes
     request: ParsedRequest
     #: Seconds it may wait in the queue (the route's and the client's ``x-request-timeout``;
-    #: None: the ledger's ``max_wait``).
+    #: None: the ledger's ``max_wait``; ``inf``: a patient route's, never refused at arrival).
     deadline: float | None
 
 
@@ -277,6 +278,8 @@ class Gate:
             deadline = spec.deadline
             if raw_timeout is not None:
                 deadline = client_wait(raw_timeout, self.ledger.max_wait if deadline is None else deadline)
+            elif spec.patient:  # waits its deadline (cut to max_wait) whatever the prediction
+                deadline = math.inf
             body = await read_body(receive, max_bytes, self._body_deadlines)
             if body is None:  # the client left before its body was whole
                 raise ClientClosedRequest(f"The client disconnected before {route_name(scope)} was admitted.")
@@ -371,6 +374,8 @@ class Gate:
             if outcome != otel.DISCONNECTED:
                 outcome = otel.TIMED_OUT if isinstance(error, QueueTimeout) else otel.REJECTED
                 reason = error.reason
+                if outcome == otel.TIMED_OUT and self.metrics is not None and "predicted_wait_seconds" in error.extensions:
+                    self.metrics.record_misprediction()
             raise
         finally:
             waited = 0.0

@@ -55,10 +55,14 @@ class RouteSpec:
     #: Refusals also carry OpenAI's ``error`` object; None follows the middleware's ``openai_errors``.
     openai_errors: bool | None = None
     #: The deadline of this route's requests: seconds one waits in the queue at most, and the cap
-    #: on its ``x-request-timeout`` header; None: no deadline unless the header gives one (capped
-    #: by the ledger's ``max_wait``). With a deadline, a request whose predicted wait is longer is
-    #: refused at once (``deadline-unmeetable``) instead of timing out in the queue.
+    #: on its ``x-request-timeout`` header; None: the ledger's ``max_wait``. A request whose
+    #: predicted wait is longer is refused at once (``deadline-unmeetable``) instead of timing out
+    #: in the queue.
     deadline: float | None = None
+    #: The patient queue, for batch traffic: a request without ``x-request-timeout`` waits up to
+    #: its deadline (or ``max_wait``) whatever the predicted wait, and is refused only when that
+    #: runs out (``queue-timeout``), as before refusal at arrival was the default.
+    patient: bool = False
     #: Where this route's tenant is read (tried in order); None follows the middleware's ``tenant_key``.
     tenant_key: TenantKey | Sequence[TenantKey] | None = None
     #: Cancel the endpoint when its client disconnects before the response starts; False for a
@@ -97,6 +101,8 @@ class RouteSpec:
             raise ValueError(f"methods must be methods with a request body (admission reads it), not {sorted(self.methods)}")
         if self.deadline is not None and not 0 < self.deadline < math.inf:
             raise ValueError("deadline must be a positive, finite number of seconds (or None)")
+        if self.patient and self.deadline is not None:
+            raise ValueError("a patient route waits the ledger's max_wait: pass deadline= or patient=True, not both")
         check_priority(self.priority)  # refused when the route is declared, not on its first request
         if self.tenant_key is not None:
             object.__setattr__(self, "tenant_key", tenant_keys(self.tenant_key))

@@ -49,6 +49,7 @@ def gpu_bound(
     chat_template_tokens: int = DEFAULT_CHAT_TEMPLATE_TOKENS,
     openai_errors: bool | None = None,
     deadline: float | None = None,
+    patient: bool = False,
     tenant_key: TenantKey | Sequence[TenantKey] | None = None,
     cancel_on_disconnect: bool | None = None,
     max_client_wait: float | None = None,
@@ -73,6 +74,7 @@ def gpu_bound(
         chat_template_tokens=chat_template_tokens,
         openai_errors=openai_errors,
         deadline=deadline,
+        patient=patient,
         tenant_key=tenant_key,
         cancel_on_disconnect=cancel_on_disconnect,
         max_client_wait=max_client_wait,  # deprecated: RouteSpec warns and takes it as the deadline

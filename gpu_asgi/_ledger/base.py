@@ -10,13 +10,21 @@ The in-process and the Redis ledger each add their own state and count their ref
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import NeverFits, OverTenantQuota
-from .contract import DEFAULT_DEVICE, DEFAULT_MAX_BYPASS, DEFAULT_MAX_QUEUE, DEFAULT_MAX_WAIT, Availability
+from .contract import (
+    DEFAULT_DEVICE,
+    DEFAULT_MAX_BYPASS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_WAIT,
+    MAX_TIMEOUT,
+    Availability,
+)
 from .fair_share import DEFAULT_TENANT_IDLE_TTL, check_quota
 from .forecast import unmeetable
 from .tenants import DEFAULT_POLICY, TenantPolicy, check_tenant_options, fixed_policies
@@ -137,17 +145,20 @@ class LedgerBase:
 
     def _wait_bounds(
         self, deadline: float | None, timeout: float | None = None, wait_limit: float | None = None
-    ) -> tuple[float | None, float]:
-        """``(limit, wait)``: the seconds the deadline rule decides on (None: no rule), and the
-        seconds the request waits in the queue at most.
+    ) -> tuple[float, float]:
+        """``(limit, wait)``: the seconds the deadline rule decides on (``inf``: it refuses nothing),
+        and the seconds the request waits in the queue at most.
 
-        ``deadline`` gives both (the wait cut to ``max_wait``). ``timeout`` and ``wait_limit`` are
-        the two arguments it replaces, accepted for one release with a ``DeprecationWarning``, with
-        their old meaning: ``timeout`` the wait (default ``max_wait``), ``wait_limit`` the limit.
+        ``deadline`` gives both (the wait cut to ``max_wait``); None is ``max_wait``, so a request
+        predicted to wait longer than the queue would keep it is refused at arrival, not at the end
+        of its wait (docs/admission.md, "Deadlines"). ``inf`` is the patient queue: it waits
+        ``max_wait`` and is never refused early. ``timeout`` and ``wait_limit`` are the two arguments
+        ``deadline`` replaces, accepted for one release with a ``DeprecationWarning``, with their old
+        meaning: ``timeout`` the wait (default ``max_wait``), ``wait_limit`` the limit.
         """
         if timeout is None and wait_limit is None:
             if deadline is None:
-                return None, self.max_wait
+                return self.max_wait, self.max_wait
             if not deadline >= 0:  # NaN too
                 raise ValueError(f"deadline must be a number of seconds >= 0, got {deadline!r}")
             return deadline, min(deadline, self.max_wait)
@@ -159,14 +170,19 @@ class LedgerBase:
             DeprecationWarning,
             stacklevel=3,
         )
-        return wait_limit, self.max_wait if timeout is None else timeout
+        return math.inf if wait_limit is None else wait_limit, self.max_wait if timeout is None else timeout
 
-    def _refuse_unmeetable(self, limit: float | None, release_rate: float, predict: Callable[[], float]) -> None:
-        """Raise (and count) ``DeadlineUnmeetable`` for a request that must queue and is predicted
-        to wait longer than ``limit`` (``forecast.unmeetable``)."""
-        if limit is None:
-            return
-        refusal = unmeetable(limit, release_rate, predict)
+    def _refuse_unmeetable(self, limit: float, release_rate: float, predict: Callable[[], float]) -> float | None:
+        """The wait predicted for a request that must queue, where it promises admission within
+        ``limit``; raises (and counts) ``DeadlineUnmeetable`` when the prediction is longer
+        (``forecast.unmeetable``). None where nothing was promised: no drain rate observed yet, the
+        patient queue, or a prediction at the 1 s floor over a shorter limit (queued, not refused).
+        A queued request that times out carries the prediction it queued on: it was wrong."""
+        if not release_rate > 0 or limit >= MAX_TIMEOUT:
+            return None
+        predicted = predict()
+        refusal = unmeetable(limit, predicted)
         if refusal is not None:
             self._count_rejection(refusal.reason)
             raise refusal
+        return predicted if predicted <= limit else None

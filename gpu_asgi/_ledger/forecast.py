@@ -10,35 +10,46 @@ Imports run one way: this module uses ``fair_share`` (``Standing``, ``lanes_ahea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from .._errors import DeadlineUnmeetable
+from .._errors import DeadlineUnmeetable, QueueTimeout
 from .drain import MIN_RETRY_AFTER, retry_after
 from .fair_share import Standing, lanes_ahead
 
 
-def unmeetable(deadline: float, release_rate: float, predict: Callable[[], float]) -> DeadlineUnmeetable | None:
+def unmeetable(deadline: float, predicted: float) -> DeadlineUnmeetable | None:
     """The refusal (for the ledger to raise) of a request that waits at most ``deadline`` seconds
-    and is predicted (``predict()``: its ``Retry-After`` now) to wait longer; else None.
+    and is predicted to wait ``predicted`` seconds (its ``Retry-After`` now); else None.
 
     A ledger calls this at the moment it finds that a request cannot be granted at once, before
     the request joins the queue, with that moment's state: the in-process ledger from its own
     state, the Redis ledger from a snapshot the reserve script returns in the same atomic step.
     The prediction is :func:`predicted_wait`, so a refused client is told when to come back by the
-    same numbers that refused it. Only a prediction from an observed drain rate
-    (``release_rate`` > 0) refuses: before any release the hint is the ``max_wait`` fallback,
-    which says nothing about this wait. A prediction at the 1 s floor cannot be told from a
-    shorter wait, so it never refuses either.
+    same numbers that refused it. Only a prediction from an observed drain rate refuses (the ledger
+    asks only then): before any release the hint is the ``max_wait`` fallback, which says nothing
+    about this wait. A prediction at the 1 s floor cannot be told from a shorter wait, so it never
+    refuses either.
     """
-    if release_rate > 0:
-        predicted = predict()
-        if predicted > deadline and predicted > MIN_RETRY_AFTER:
-            return DeadlineUnmeetable(
-                f"The predicted wait for GPU memory is {predicted:.3g} s; this request waits at most {deadline:g} s.",
-                retry_after=predicted,
-                predicted_wait_seconds=round(predicted, 3),
-            )
+    if predicted > deadline and predicted > MIN_RETRY_AFTER:
+        return DeadlineUnmeetable(
+            f"The predicted wait for GPU memory is {predicted:.3g} s; this request waits at most {deadline:g} s.",
+            retry_after=predicted,
+            predicted_wait_seconds=round(predicted, 3),
+        )
     return None
+
+
+def queue_timeout(nbytes: int, wait: float, retry_after: float, predicted: float | None) -> QueueTimeout:
+    """The refusal of a request that waited ``wait`` seconds in the queue. ``predicted``: the wait
+    the deadline rule let it queue on (None: it had none, before any drain rate or in a patient
+    queue); where there was one, the prediction was wrong, and the refusal says by how much."""
+    if predicted is None:
+        return QueueTimeout(f"No GPU memory became free for {nbytes} bytes within {wait:g} s.", retry_after=retry_after)
+    return QueueTimeout(
+        f"No GPU memory became free for {nbytes} bytes within {wait:g} s (predicted: {predicted:.3g} s).",
+        retry_after=retry_after,
+        predicted_wait_seconds=round(predicted, 3),
+    )
 
 
 def bytes_ahead(lanes: Iterable[tuple[int, int, int, int]], nbytes: int, priority: int, max_bypass: int) -> float:

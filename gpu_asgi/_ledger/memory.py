@@ -37,7 +37,7 @@ from .contract import (
 )
 from .drain import DrainRate
 from .fair_share import DEFAULT_TENANT_IDLE_TTL, FairShare
-from .forecast import predicted_wait, size_class
+from .forecast import predicted_wait, queue_timeout, size_class
 from .tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 
 
@@ -184,10 +184,10 @@ class Ledger(LedgerBase):
         return await self._reserve(nbytes, devices, priority, tenant, limit, wait)
 
     async def _reserve(
-        self, nbytes: int, devices: Sequence[str] | None, priority: int, tenant: str, limit: float | None, wait: float
+        self, nbytes: int, devices: Sequence[str] | None, priority: int, tenant: str, limit: float, wait: float
     ) -> Reservation:
-        """:meth:`reserve` with its bounds resolved: the deadline rule decides on ``limit`` (None:
-        no rule), and the request waits ``wait`` seconds at most. The Redis ledger's local fallback
+        """:meth:`reserve` with its bounds resolved: the deadline rule decides on ``limit`` (``inf``:
+        it refuses nothing), and the request waits ``wait`` seconds at most. The Redis ledger's local fallback
         calls this with what is left of a request's wait."""
         check_priority(priority)
         allowed = self._allowed(devices, nbytes)
@@ -198,7 +198,7 @@ class Ledger(LedgerBase):
             device = _place(nbytes, allowed)
             if device is not None:
                 return self._grant(device, nbytes, 0.0, tenant, now)
-        self._refuse_unmeetable(
+        predicted = self._refuse_unmeetable(
             limit, self.release_rate(), lambda: self.retry_after(nbytes, priority=priority, tenant=tenant)
         )
         if self._waiting >= self.max_queue:
@@ -235,9 +235,8 @@ class Ledger(LedgerBase):
                 self._dispatch()  # the one that left may have held back others
             if isinstance(exc, TimeoutError):
                 self._count_rejection(QueueTimeout.reason)
-                raise QueueTimeout(
-                    f"No GPU memory became free for {nbytes} bytes within {wait:g} s.",
-                    retry_after=self.retry_after(nbytes, priority=priority, tenant=tenant),
+                raise queue_timeout(
+                    nbytes, wait, self.retry_after(nbytes, priority=priority, tenant=tenant), predicted
                 ) from None
             raise
 

@@ -115,6 +115,11 @@ class GPUMetrics:
         self.rejected = prom.Counter(
             "rejected", "Requests answered by gpu_asgi with an error, by reason.", ["reason"], **common
         )
+        self.mispredicted = prom.Counter(
+            "wait_mispredicted",
+            "Requests that queued on a predicted wait within their deadline and timed out in the queue all the same.",
+            **common,
+        )
         self.clamped = prom.Counter(
             "max_new_tokens_clamped", "Requests whose max_new_tokens the thermal policy lowered.", **common
         )
@@ -197,6 +202,10 @@ class GPUMetrics:
                 self._child(self.tenant_admitted, "tenant_admitted", tenant).inc()
             elif reason is not None:
                 self._child(self.tenant_rejected, "tenant_rejected", tenant, reason).inc()
+
+    def record_misprediction(self) -> None:
+        """A ``queue-timeout`` of a request the deadline rule let queue: its prediction was wrong."""
+        self.mispredicted.inc()
 
     def record_rejection(self, reason: str) -> None:
         """A request answered before it reached the ledger (body errors)."""

@@ -32,8 +32,8 @@ MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 MAX_N = 128
 
 
-def route_specs(server: VLLMServer, estimator: PagedKVEstimator) -> dict[str, RouteSpec]:
-    """The spec of each generating route, keyed by path."""
+def route_specs(server: VLLMServer, estimator: PagedKVEstimator, *, patient: bool = False) -> dict[str, RouteSpec]:
+    """The spec of each generating route, keyed by path; ``patient``: ``GPU_ASGI_PATIENT``."""
     chat = ChatTemplate(server.tokenizer, server.chat_template, server.chat_template_kwargs)
     prompts: dict[str, PromptGetter] = {
         COMPLETIONS: completion_prompt(special_prefix(server.tokenizer)),
@@ -50,6 +50,7 @@ def route_specs(server: VLLMServer, estimator: PagedKVEstimator) -> dict[str, Ro
             estimator=estimator,
             chat_template_tokens=0,  # the template is rendered and counted, not guessed
             openai_errors=True,
+            patient=patient,
         )
         for path, prompt in prompts.items()
     }

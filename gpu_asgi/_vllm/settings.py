@@ -43,6 +43,10 @@ class VLLMSettings:
     #: ``GPU_ASGI_MAX_WAIT``: seconds a request waits for KV-cache room at most (and the cap on
     #: its ``x-request-timeout``), then 503/429 with ``Retry-After``.
     max_wait: float = DEFAULT_MAX_WAIT
+    #: ``GPU_ASGI_PATIENT``: ``1`` keeps every request in the queue for ``max_wait`` whatever its
+    #: predicted wait (batch traffic); ``0``, the default, refuses at arrival a request predicted
+    #: to wait longer than its deadline (``x-request-timeout``, else ``max_wait``).
+    patient: bool = False
     #: ``GPU_ASGI_MAX_QUEUE``: requests waiting at once at most (per process); more are refused.
     max_queue: int = DEFAULT_MAX_QUEUE
     #: ``GPU_ASGI_REJECT_STATUS``: 503 or 429, the status of an overload refusal.
@@ -214,5 +218,6 @@ _PARSERS: dict[str, tuple[str, Callable[[str], object]]] = {
     "GPU_ASGI_RESERVE": ("quantile", _reserve),
     "GPU_ASGI_FOLLOW": ("follow", _flag),
     "GPU_ASGI_GROWTH": ("growth", _growth),
+    "GPU_ASGI_PATIENT": ("patient", _flag),
     "GPU_ASGI_OVERSUBSCRIBE": ("oversubscribe", _number(float, 0.1, MAX_OVERSUBSCRIBE, f"a factor from 0.1 to {MAX_OVERSUBSCRIBE:g}")),
 }

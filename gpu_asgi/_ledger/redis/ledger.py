@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import warnings
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import ClassVar, Literal, Self, TypeVar
@@ -45,6 +46,7 @@ from ..contract import (
     check_priority,
 )
 from ..fair_share import DEFAULT_TENANT_IDLE_TTL
+from ..forecast import queue_timeout
 from ..memory import Ledger
 from ..tenants import DEFAULT_POLICY, DEFAULT_TENANT, TenantPolicy
 from .connect import is_sentinel_url, redis_client
@@ -290,7 +292,8 @@ class RedisLedger(LedgerBase):
         instead of queueing it; one more call then queues it (or grants it, if bytes came free).
         """
         check_priority(priority)
-        limit, wait = self._wait_bounds(deadline, timeout, wait_limit)
+        first_limit, wait = self._wait_bounds(deadline, timeout, wait_limit)
+        limit: float | None = first_limit  # None once the deadline rule has decided
         names = self._choose(devices, nbytes)
         self._check_quota(tenant, nbytes)
         upkeep = self._upkeep
@@ -303,16 +306,19 @@ class RedisLedger(LedgerBase):
         wake = upkeep.waiters[rid] = asyncio.Event()
         settled, reason = False, ""
         until: float | None = None  # the end of the wait, set once the first ask has answered
+        predicted: float | None = None  # the wait the deadline rule let it queue on
         try:
             # The first ask, outside the timeout: it grants what fits now, else joins the queue.
-            state, detail, limit = await self._join(rid, nbytes, names, priority, tenant, limit)
+            state, detail, limit, predicted = await self._join(rid, nbytes, names, priority, tenant, limit, predicted)
             until = loop.time() + queue_wait
             async with asyncio.timeout_at(until):
                 while state != "granted":
                     if cancels() > cancelled:  # a cancellation redis-py swallowed: see cancels()
                         raise asyncio.CancelledError
                     if state == "gone":  # the first ask was only slow and did not land, or Redis lost the queue
-                        state, detail, limit = await self._join(rid, nbytes, names, priority, tenant, limit)
+                        state, detail, limit, predicted = await self._join(
+                            rid, nbytes, names, priority, tenant, limit, predicted
+                        )
                         continue
                     poll = self.poll_interval if upkeep.listening else UNSUBSCRIBED_POLL_INTERVAL
                     with contextlib.suppress(TimeoutError):
@@ -339,9 +345,7 @@ class RedisLedger(LedgerBase):
                 state_after = leaving.result() if done else None
             # Redis's state just after the waiter left; the heartbeat's snapshot if it did not come in time.
             hint = self._retry_after(upkeep.beat if state_after is None else state_after, nbytes, priority, tenant)
-            raise QueueTimeout(
-                f"No GPU memory became free for {nbytes} bytes within {wait:g} s.", retry_after=hint
-            ) from None
+            raise queue_timeout(nbytes, wait, hint, predicted) from None
         except RedisDown as exc:
             upkeep.went_down(exc)
         finally:
@@ -355,27 +359,32 @@ class RedisLedger(LedgerBase):
         return await self._fallback(nbytes, names, priority, remaining, tenant)
 
     async def _join(
-        self, rid: str, nbytes: int, names: tuple[str, ...], priority: int, tenant: str, limit: float | None
-    ) -> tuple[str, str, float | None]:
+        self, rid: str, nbytes: int, names: tuple[str, ...], priority: int, tenant: str, limit: float | None,
+        predicted: float | None,
+    ) -> tuple[str, str, float | None, float | None]:
         """Ask the reserve script: ``(state, detail)`` granted or queued (or ``SLOW``'s waiting, for a
-        claim to find out), and the deadline ``limit`` still to be decided at a next join (None once it is).
+        claim to find out), the deadline ``limit`` still to be decided at a next join (None once it
+        is), and the wait predicted when it was (``predicted`` until then).
 
-        With a ``limit``, the deadline decision on the state the script returns when the request
-        cannot be granted at once, then one more call to queue it. Raises the refusals
+        With a finite ``limit``, the deadline decision on the state the script returns when the
+        request cannot be granted at once, then one more call to queue it. Raises the refusals
         (:class:`~gpu_asgi.DeadlineUnmeetable`, :class:`~gpu_asgi.QueueFull`), which take no ticket.
         """
         scripts = self._scripts
-        mode: Literal["queue", "wait"] = "queue" if limit is None else "wait"
+        mode: Literal["queue", "wait"] = "queue" if limit is None or limit >= MAX_TIMEOUT else "wait"
         answer = await self._ask(scripts.reserve(rid, nbytes, names, priority, tenant, mode))
         if answer == SLOW:  # it may not have landed: a join after the claim says "gone" decides the deadline
-            return *SLOW, limit
+            return *SLOW, limit, predicted
         if isinstance(answer, Beat):  # it must queue: the deadline decision, on that moment's state
             beat = answer
-            self._refuse_unmeetable(limit, beat.release_rate, lambda: self._retry_after(beat, nbytes, priority, tenant))
+            assert limit is not None  # the script answers with its state only when asked in "wait" mode
+            predicted = self._refuse_unmeetable(
+                limit, beat.release_rate, lambda: self._retry_after(beat, nbytes, priority, tenant)
+            )
             answer = await self._ask(scripts.reserve(rid, nbytes, names, priority, tenant))
         if isinstance(answer, Full):
             raise self._queue_full(answer, nbytes, priority, tenant)
-        return *answer, None
+        return *answer, None, predicted
 
     def _queue_full(self, full: Full, nbytes: int, priority: int, tenant: str) -> QueueFull:
         """The refusal, its ``Retry-After`` from the state the reserve script refused it on."""
@@ -428,7 +437,7 @@ class RedisLedger(LedgerBase):
                 retry_after=self.heartbeat,
             )
         try:
-            inner = await local._reserve(nbytes, names, priority, tenant, None, timeout)  # the wait left, no new rule
+            inner = await local._reserve(nbytes, names, priority, tenant, math.inf, timeout)  # the wait left, no new rule
         except NeverFits as exc:
             self._unavailable_total += 1
             raise LedgerUnavailable(
