@@ -9,6 +9,7 @@ import functools
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -337,6 +338,44 @@ async def test_learned_lengths_are_the_default_and_strict_stays_a_setting() -> N
             reserved = [(await client.post("/v1/completions", json=request)).json()["bytes"] for _ in range(17)]
         assert reserved[:16] == [blocks(1 + 600)] * 16  # cold: nothing learnt yet, the worst case
         assert reserved[16] == warm  # 16 answers of 40 tokens: one block, unless strict
+
+
+@asynccontextmanager
+async def started_and_stopped(environ: Mapping[str, str]) -> AsyncIterator[httpx.AsyncClient]:
+    """A vLLM-like app whose lifespan runs through the middleware, as a server runs it: started
+    before the client's requests, shut down after them."""
+    app = vllm_like_app(vllm_state(), {"GPU_ASGI_MAX_WAIT": "0.2", **environ}, CollectorRegistry(), asyncio.Event())
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    lifespan = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, inbox.get, sent.put))
+    await inbox.put({"type": "lifespan.startup"})
+    assert (await sent.get())["type"] == "lifespan.startup.complete"
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://vllm", headers={"authorization": f"Bearer {API_KEY}"}
+    ) as client:
+        yield client
+    await inbox.put({"type": "lifespan.shutdown"})
+    assert (await sent.get())["type"] == "lifespan.shutdown.complete"
+    await lifespan
+
+
+async def test_a_restarted_server_starts_warm_from_its_lengths_file(tmp_path: Path) -> None:
+    """GPU_ASGI_LENGTHS_FILE: the first server learns 16 answers and saves them at shutdown; the
+    next one (a restart) reserves the learnt length from its first request. A file written for
+    another model is ignored: that server starts cold."""
+    blocks = lambda tokens: -(-tokens // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN  # noqa: E731
+    request = {"prompt": "x", "max_tokens": 600, "answer_tokens": 40}
+    path = tmp_path / "lengths.json"
+    environ = {"GPU_ASGI_LENGTHS_FILE": str(path)}
+    async with started_and_stopped(environ) as client:
+        first = [(await client.post("/v1/completions", json=request)).json()["bytes"] for _ in range(16)]
+    assert first == [blocks(1 + 600)] * 16  # cold
+    async with started_and_stopped(environ) as client:
+        assert (await client.post("/v1/completions", json=request)).json()["bytes"] == blocks(1 + 40)  # warm
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "model": "another (max_model_len 1024)"}))
+    async with started_and_stopped(environ) as client:
+        assert (await client.post("/v1/completions", json=request)).json()["bytes"] == blocks(1 + 600)  # cold again
 
 
 def usage_registry(value: float) -> tuple[CollectorRegistry, Any]:

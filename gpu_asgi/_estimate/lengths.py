@@ -35,6 +35,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_QUANTILE = 0.9
 DEFAULT_WINDOW = 256
@@ -230,6 +231,39 @@ class OutputLengths:
                     route, tenant, _band_limits(band), samples, censored, predicted, window.drifting(self.quantile)
                 ))
         return tuple(rows)
+
+    def snapshot(self) -> list[list[Any]]:
+        """What has been learnt, as JSON-ready rows ``[route, tenant, band, lengths]`` (oldest key
+        first, each key's lengths in arrival order, an answer cut at its limit as None): what
+        :meth:`restore` takes, in this process or a new one (``LengthsFile``)."""
+        with self._lock:
+            return [
+                [route, tenant, band, [None if math.isinf(n) else n for n in window.arrivals]]
+                for (route, tenant, band), window in self._windows.items()
+            ]
+
+    def restore(self, rows: list[list[Any]]) -> int:
+        """Learn the lengths of :meth:`snapshot`'s ``rows`` as if their answers had just ended (the
+        last ``window`` of each key, at most ``max_keys`` keys); returns the lengths taken, counted
+        per key (a tenant's answer is in its own key and its route's).
+        ``ValueError`` for rows of another shape. Whether the rows fit this model is the caller's
+        to decide (``LengthsFile`` checks the model and the age)."""
+        parsed = []
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], str)
+                    and (row[1] is None or isinstance(row[1], str)) and type(row[2]) is int and isinstance(row[3], list)):
+                raise ValueError(f"not a learned-lengths row: {row!r:.80}")
+            lengths = [math.inf if n is None else float(n) for n in row[3]]
+            if any(not n >= 0 for n in lengths) or not 0 <= row[2] <= 64:
+                raise ValueError(f"not a learned-lengths row: {row!r:.80}")
+            parsed.append(((row[0], row[1], row[2]), lengths))
+        taken = 0
+        with self._lock:
+            for key, lengths in parsed:
+                for length in lengths[-self.window:]:
+                    self._add(key, length)
+                    taken += 1
+        return taken
 
     def __repr__(self) -> str:
         return f"OutputLengths(quantile={self.quantile}, window={self.window}, min_samples={self.min_samples})"

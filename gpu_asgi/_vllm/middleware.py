@@ -17,6 +17,7 @@ from typing import Any
 from .._asgi.middleware import GPUAdmissionMiddleware
 from .._asgi.routes import declared_routes
 from .._estimate.lengths import OutputLengths
+from .._estimate.lengths_file import LengthsFile
 from .._estimate.paged import PagedKVEstimator
 from .._estimate.tokens import HFTokenCounter
 from .._ledger.contract import BudgetLedger
@@ -60,7 +61,7 @@ FOLLOWED_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
 
 def build(
     app: ASGIApp, vllm_app: Any, environ: Mapping[str, str], registry: Any = None
-) -> tuple[GPUAdmissionMiddleware, EngineUsage | None, Following | None]:
+) -> tuple[GPUAdmissionMiddleware, EngineUsage | None, Following | None, LengthsFile | None]:
     """The admission middleware around ``app``, sized from the vLLM server ``vllm_app``; its metrics
     in ``registry`` (default: the one vLLM's ``/metrics`` serves). With learned lengths, also the
     closed loop on vLLM's KV-cache usage, read from that registry, and (``GPU_ASGI_FOLLOW``) the
@@ -73,7 +74,7 @@ def build(
     )
     budget = budget_for(server, settings.oversubscribe)
     routes = declared_routes(vllm_app)
-    tagged = tag_routes(routes or (), route_specs(server, estimator))
+    tagged = tag_routes(routes or (), route_specs(server, estimator, patient=settings.patient))
     if not tagged:
         raise ServerNotReady("vLLM serves none of /v1/completions, /v1/chat/completions, /v1/responses: nothing to admit")
     ledger = build_ledger(settings, budget)
@@ -82,6 +83,10 @@ def build(
         ledger, registry=registry, shared_ledger=settings.ledger_url is not None
     )
     lengths = None if settings.quantile is None else OutputLengths(settings.quantile)
+    lengths_file = None
+    if lengths is not None and settings.lengths_file is not None:  # warm start: what a process before this one learnt
+        lengths_file = LengthsFile(settings.lengths_file, lengths, model=f"{server.model} (max_model_len {server.max_model_len})")
+        lengths_file.load()
     reserve = "strict" if lengths is None else f"learned lengths, quantile {settings.quantile:g}"
     if lengths is not None and settings.follow:
         reserve += ", following, all growth" if settings.growth is None else f", following, pooled growth {settings.growth:g}"
@@ -117,7 +122,7 @@ def build(
                 "gpu_asgi cannot read this vLLM's request progress (engine_client.output_processor): "
                 "reservations cover each answer's predicted length from its start"
             )
-    return admission, usage, following
+    return admission, usage, following, lengths_file
 
 
 class VLLMAdmission:
@@ -134,6 +139,7 @@ class VLLMAdmission:
         self._admission: GPUAdmissionMiddleware | None = None
         self._usage: EngineUsage | None = None
         self._following: Following | None = None
+        self._lengths_file: LengthsFile | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = self._admission
@@ -145,9 +151,9 @@ class VLLMAdmission:
                 await self.app(scope, receive, send)
                 return
             # A host that runs no lifespan: start on the first request.
-            admission, self._usage, self._following = self._build(scope)
+            admission, self._usage, self._following, self._lengths_file = self._build(scope)
             self._admission = admission
-            for loop in (self._usage, self._following):
+            for loop in (self._usage, self._following, self._lengths_file):
                 if loop is not None:
                     loop.start()
         following = self._following
@@ -160,14 +166,17 @@ class VLLMAdmission:
         finally:
             following.leave(followed)
 
-    def _build(self, scope: Scope) -> tuple[GPUAdmissionMiddleware, EngineUsage | None, Following | None]:
+    def _build(
+        self, scope: Scope
+    ) -> tuple[GPUAdmissionMiddleware, EngineUsage | None, Following | None, LengthsFile | None]:
         environ = os.environ if self._environ is None else self._environ
         return build(self.app, scope.get("app"), environ, self._registry)
 
     async def _start(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            admission, usage, following = self._build(scope)
+            admission, usage, following, lengths_file = self._build(scope)
             self._admission, self._usage, self._following = admission, usage, following
+            self._lengths_file = lengths_file
         except (ServerNotReady, ValueError, ImportError) as error:  # SettingsError is a ValueError; ImportError: the redis extra
             problem = f"gpu_asgi.vllm cannot start: {error}"
             vllm_logger().error("%s", problem)
@@ -176,7 +185,7 @@ class VLLMAdmission:
             raise RuntimeError(problem) from None
         ledger = admission.ledger
 
-        loops = [loop for loop in (usage, following) if loop is not None]
+        loops = [loop for loop in (usage, following, lengths_file) if loop is not None]
 
         async def send_closing(message: Message) -> None:
             if message["type"] == "lifespan.startup.complete":

@@ -75,6 +75,10 @@ class VLLMSettings:
     #: answers that got as far went on (several rarely all run long; a miss preempts), or ``all``
     #: of it (None).
     growth: float | None = DEFAULT_GROWTH
+    #: ``GPU_ASGI_LENGTHS_FILE``: a file where learned lengths are saved (every 30 s and at
+    #: shutdown) and restored from at startup, if written for the same model within a day: a
+    #: restarted server starts warm. Unset: every start is cold (strict until answers are learnt).
+    lengths_file: str | None = None
     #: ``GPU_ASGI_REDIS_TIMEOUT``: seconds the shared ledger waits for one Redis answer before
     #: admission fails closed (``ledger-unavailable``); raise it on a host whose CPUs are saturated.
     redis_timeout: float = DEFAULT_REDIS_TIMEOUT
@@ -200,6 +204,12 @@ def _flag(text: str) -> bool:
     return value in ("1", "true", "yes", "on")
 
 
+def _path(text: str) -> str:
+    if not text or "\0" in text:
+        raise ValueError("expected a file path")
+    return text
+
+
 def _namespace(text: str) -> str:
     if not text or any(c.isspace() for c in text):
         raise ValueError("expected a non-empty name without spaces")
@@ -208,6 +218,7 @@ def _namespace(text: str) -> str:
 
 _PARSERS: dict[str, tuple[str, Callable[[str], object]]] = {
     "GPU_ASGI_MAX_WAIT": ("max_wait", _number(float, 0.001, 86_400, "seconds from 0.001 to 86400")),
+    "GPU_ASGI_PATIENT": ("patient", _flag),
     "GPU_ASGI_MAX_QUEUE": ("max_queue", _number(int, 0, 1_000_000, "an integer from 0 to 1000000")),
     "GPU_ASGI_REJECT_STATUS": ("reject_status", _reject_status),
     "GPU_ASGI_TENANT_KEY": ("tenant_key", _tenant_keys),
@@ -218,6 +229,6 @@ _PARSERS: dict[str, tuple[str, Callable[[str], object]]] = {
     "GPU_ASGI_RESERVE": ("quantile", _reserve),
     "GPU_ASGI_FOLLOW": ("follow", _flag),
     "GPU_ASGI_GROWTH": ("growth", _growth),
-    "GPU_ASGI_PATIENT": ("patient", _flag),
+    "GPU_ASGI_LENGTHS_FILE": ("lengths_file", _path),
     "GPU_ASGI_OVERSUBSCRIBE": ("oversubscribe", _number(float, 0.1, MAX_OVERSUBSCRIBE, f"a factor from 0.1 to {MAX_OVERSUBSCRIBE:g}")),
 }
