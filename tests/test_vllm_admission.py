@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import sys
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -225,7 +226,7 @@ async def test_counts_exactly_what_vllm_tokenizes() -> None:
         ids = (await client.post("/v1/completions", json={"prompt": [[1, 2, 3], [4]], "max_tokens": 1})).json()
         assert (ids["prompt_tokens"], ids["batch"]) == (3, 2)
         assert (completion["batch"], completion["bytes"]) == (4, 4 * BLOCK * KV_BYTES_PER_TOKEN)
-        # No max_tokens: vLLM generates up to max_model_len, and that is what is reserved.
+        # No max_tokens, and vLLM's request model is not importable here: max_model_len, the most it could be.
         unset = (await client.post("/v1/completions", json={"prompt": text})).json()
         assert unset["bytes"] == 1024 // BLOCK * BLOCK * KV_BYTES_PER_TOKEN
         # Responses: instructions as the system message, then the input, through the template.
@@ -328,6 +329,38 @@ def _collect(sent: list[Any]) -> Any:
 
 
 # -- learned lengths and the closed loop on vLLM's KV-cache usage -----------------------------
+
+
+async def test_a_completion_without_max_tokens_is_reserved_what_vllm_generates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CompletionRequest defaults max_tokens to 16 (a null too): that, read from vLLM's own
+    model, is what a completion without one is reserved, not max_model_len; a chat without one
+    may run to max_model_len. Where vLLM's model cannot be read, max_model_len (never too little)."""
+    import types
+
+    from pydantic import BaseModel
+
+    from gpu_asgi._vllm.routes import completion_default_max_tokens
+
+    assert completion_default_max_tokens(1024) == 1024  # no vllm in this venv: the safe side
+
+    class CompletionRequest(BaseModel):
+        max_tokens: int | None = 16
+
+    names = ("vllm", "vllm.entrypoints", "vllm.entrypoints.openai", "vllm.entrypoints.openai.completion")
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    protocol = types.ModuleType("vllm.entrypoints.openai.completion.protocol")
+    protocol.CompletionRequest = CompletionRequest  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, protocol.__name__, protocol)
+    assert completion_default_max_tokens(1024) == 16 and completion_default_max_tokens(8) == 8
+
+    blocks = lambda tokens: -(-tokens // BLOCK) * BLOCK * KV_BYTES_PER_TOKEN  # noqa: E731
+    async with served({"GPU_ASGI_RESERVE": "strict"}) as (client, _, _):
+        for body in ({"prompt": "x"}, {"prompt": "x", "max_tokens": None}):
+            answer = (await client.post("/v1/completions", json=body)).json()
+            assert (answer["max_new_tokens"], answer["bytes"]) == (16, blocks(1 + 16))
+        chat = (await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})).json()
+        assert chat["max_new_tokens"] == 1024  # the state's max_model_len
 
 
 async def test_learned_lengths_are_the_default_and_strict_stays_a_setting() -> None:

@@ -40,11 +40,12 @@ def route_specs(server: VLLMServer, estimator: PagedKVEstimator, *, patient: boo
         CHAT_COMPLETIONS: chat_prompt(chat),
         RESPONSES: responses_prompt(chat),
     }
+    defaults = {COMPLETIONS: completion_default_max_tokens(server.max_model_len)}
     return {
         path: RouteSpec(
             prompt=prompt,
             max_tokens_fields=MAX_TOKENS_FIELDS,
-            default_max_new_tokens=server.max_model_len,
+            default_max_new_tokens=defaults.get(path, server.max_model_len),
             max_new_tokens_cap=server.max_model_len,
             max_batch=MAX_N,
             estimator=estimator,
@@ -54,6 +55,19 @@ def route_specs(server: VLLMServer, estimator: PagedKVEstimator, *, patient: boo
         )
         for path, prompt in prompts.items()
     }
+
+
+def completion_default_max_tokens(max_model_len: int) -> int:
+    """The tokens vLLM generates for a ``/v1/completions`` request without ``max_tokens``: the
+    default of its ``CompletionRequest`` model; ``max_model_len`` (the most it could be, so never
+    too little) where that model cannot be read or its default is not a limit."""
+    try:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        default = CompletionRequest.model_fields["max_tokens"].default
+    except (ImportError, AttributeError, KeyError):
+        return max_model_len
+    return default if type(default) is int and 1 <= default <= max_model_len else max_model_len
 
 
 def tag_routes(routes: Iterable[Any], specs: Mapping[str, RouteSpec]) -> list[str]:
