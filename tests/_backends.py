@@ -160,3 +160,16 @@ class SpyLedger(Ledger):
     async def reserve(self, nbytes: int, **options: Any) -> Reservation:
         self.asked.append(options.get("tenant", DEFAULT_TENANT))
         return await super().reserve(nbytes, **options)
+
+
+def recording(ledger: BudgetLedger) -> list[float | None]:
+    """Record the ``deadline`` of each ``reserve`` the middleware makes on ``ledger``."""
+    timeouts: list[float | None] = []
+    reserve = ledger.reserve
+
+    async def spy(nbytes: int, **options: Any) -> Reservation:
+        timeouts.append(options.get("deadline"))
+        return await reserve(nbytes, **options)
+
+    ledger.reserve = spy  # type: ignore[method-assign]
+    return timeouts

@@ -32,7 +32,7 @@ from gpu_asgi._ledger.drain import RATE_WINDOW
 
 from . import _redis
 from ._asgi import client, wait_until
-from ._backends import BACKENDS, Backend, Clock, heavy_backlog, open_backend, start
+from ._backends import BACKENDS, Backend, Clock, heavy_backlog, open_backend, recording, start
 from ._redis import REDIS_SERVER, RedisServer
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
@@ -54,19 +54,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def recording(ledger: BudgetLedger) -> list[float | None]:
-    """Record the ``deadline`` of each ``reserve`` the middleware makes on ``ledger``."""
-    timeouts: list[float | None] = []
-    reserve = ledger.reserve
-
-    async def spy(nbytes: int, **options: Any) -> Reservation:
-        timeouts.append(options.get("deadline"))
-        return await reserve(nbytes, **options)
-
-    ledger.reserve = spy  # type: ignore[method-assign]
-    return timeouts
 
 
 def app_for(ledger: BudgetLedger, reject_status: int = 503, metrics: GPUMetrics | None = None, **route: Any) -> Starlette:

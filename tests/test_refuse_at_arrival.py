@@ -36,7 +36,7 @@ from gpu_asgi._vllm.settings import VLLMSettings
 
 from . import _redis
 from ._asgi import client, wait_until
-from ._backends import BACKENDS, Backend, Clock, open_backend, start
+from ._backends import BACKENDS, Backend, Clock, open_backend, recording, start
 
 redis_server, namespace = _redis.redis_server, _redis.namespace  # fixtures
 
@@ -212,14 +212,7 @@ async def test_a_timeout_after_a_prediction_is_counted_as_a_misprediction() -> N
 
 async def test_a_patient_route_asks_the_ledger_for_the_patient_queue() -> None:
     ledger, holder = await full_ledger(max_wait=30)
-    deadlines: list[float | None] = []
-    reserve = ledger.reserve
-
-    async def spy(nbytes: int, **options: Any) -> Reservation:
-        deadlines.append(options.get("deadline"))
-        return await reserve(nbytes, **options)
-
-    ledger.reserve = spy  # type: ignore[method-assign]
+    deadlines = recording(ledger)
     request = asyncio.ensure_future(post(app_for(ledger, 50_000, patient=True)))
     await wait_until(lambda: ledger.statistics().waiting == 1)
     holder.release()
